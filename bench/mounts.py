@@ -1,0 +1,150 @@
+"""Mounts and child processes the benchmark starts, and the one way it tears them down.
+
+Everything here is bounded: mount waits poll /proc/mounts with a deadline, unmounts try
+`fusermount3 -u`, then `-uz` plus killing the daemon, and never wait forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def _unescape(field: str) -> str:
+    # /proc/mounts escapes space, tab, newline and backslash as octal (\040 etc.)
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_type(mountpoint: str | os.PathLike) -> str | None:
+    """The filesystem type mounted exactly at `mountpoint` (topmost), or None."""
+    target = os.path.realpath(mountpoint)
+    found = None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and _unescape(parts[1]) == target:
+                    found = parts[2]
+    except OSError:
+        return None
+    return found
+
+
+def fuse_mounts_under(prefix: str | os.PathLike) -> list[str]:
+    """FUSE mountpoints at or below `prefix`, deepest first (the order to unmount them in)."""
+    prefix = os.path.realpath(prefix)
+    hits = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[2].startswith("fuse"):
+                mp = _unescape(parts[1])
+                if mp == prefix or mp.startswith(prefix + "/"):
+                    hits.append(mp)
+    return sorted(set(hits), key=len, reverse=True)
+
+
+def wait_for_mount(
+    mountpoint: str | os.PathLike,
+    fstype: str,
+    proc: subprocess.Popen | None,
+    timeout: float,
+    log_path: Path | None = None,
+) -> None:
+    """Poll until `fstype` is mounted at `mountpoint`; raise if the daemon dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while time.monotonic() < deadline:
+        if mount_type(mountpoint) == fstype:
+            return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"{fstype} daemon exited with {proc.returncode} before mounting {mountpoint}"
+                + _log_tail(log_path)
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+    raise TimeoutError(f"{fstype} not mounted at {mountpoint} after {timeout:.0f}s" + _log_tail(log_path))
+
+
+def _log_tail(log_path: Path | None, n: int = 20) -> str:
+    if log_path is None:
+        return ""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return ""
+    return "\n  log tail:\n    " + "\n    ".join(lines) if lines else ""
+
+
+def kill_process(proc: subprocess.Popen | None, grace: float = 5.0) -> None:
+    """SIGTERM, wait `grace` seconds, then SIGKILL; only this process (by pid)."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    except ProcessLookupError:
+        pass
+
+
+def unmount(
+    mountpoint: str | os.PathLike,
+    proc: subprocess.Popen | None = None,
+    timeout: float = 30.0,
+    command: list[str] | None = None,
+) -> bool:
+    """Unmount cleanly if possible; otherwise lazily unmount and kill the daemon.
+
+    `command` replaces `fusermount3 -u MNT` as the clean way (e.g. `ckptfs umount MNT`).
+    Returns True when the clean path worked.
+    """
+    mountpoint = str(mountpoint)
+    clean = False
+    if mount_type(mountpoint) is not None:
+        cmd = command or ["fusermount3", "-u", mountpoint]
+        try:
+            r = subprocess.run(cmd, capture_output=True, timeout=timeout)
+            clean = r.returncode == 0
+        except subprocess.TimeoutExpired:
+            clean = False
+    else:
+        clean = True
+    if proc is not None and proc.poll() is None:
+        try:
+            proc.wait(timeout=timeout if clean else 2.0)
+        except subprocess.TimeoutExpired:
+            clean = False
+    if mount_type(mountpoint) is not None or (proc is not None and proc.poll() is None):
+        clean = False
+        subprocess.run(["fusermount3", "-uz", mountpoint], capture_output=True, timeout=10)
+        kill_process(proc)
+    return clean
+
+
+def drop_caches() -> bool:
+    """Write back dirty pages and drop the page cache; False if not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False

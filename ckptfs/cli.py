@@ -1,0 +1,369 @@
+"""The `ckptfs` command: argument parsing, one clear line per error, no tracebacks."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+from ckptfs import __version__, layout
+from ckptfs.errors import CliError
+
+log = logging.getLogger("ckptfs")
+
+SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
+
+
+def parse_size(text: str) -> int:
+    m = SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 64M, 1G, 4096)")
+    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * mult)
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return v
+
+
+def setup_logging(level: str, log_file: str | None) -> None:
+    handler: logging.Handler
+    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper()))
+    logging.getLogger("pyfuse3").setLevel(logging.WARNING)
+
+
+# --- mount / umount -----------------------------------------------------------------------
+
+def _is_stale(path: str) -> bool:
+    try:
+        os.stat(path)
+        return False
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+
+
+def _fusermount(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["fusermount3", *args], capture_output=True, text=True)
+
+
+def check_mountpoint(mnt: str) -> None:
+    """Clean a stale mount left by a crash; refuse a live one."""
+    if _is_stale(mnt):
+        log.warning("%s is a dead mount (ENOTCONN); cleaning it up", mnt)
+        _fusermount("-uz", mnt)
+        if _is_stale(mnt):
+            raise CliError(f"{mnt} is a dead mount and could not be cleaned up "
+                           f"(try: fusermount3 -uz {mnt})")
+    if not os.path.isdir(mnt):
+        raise CliError(f"MOUNTPOINT directory {mnt} does not exist")
+    if os.path.ismount(mnt) or layout.mount_type(mnt) is not None:
+        raise CliError(f"{mnt} is already a mount point ({layout.mount_type(mnt) or 'mounted'})")
+
+
+def cmd_mount(a: argparse.Namespace) -> int:
+    from ckptfs.daemon import MountConfig, run_foreground
+
+    nvme, shared, mnt = (os.path.abspath(p) for p in (a.nvme, a.shared, a.mountpoint))
+    for what, d in (("NVME", nvme), ("SHARED", shared)):
+        if not os.path.isdir(d):
+            raise CliError(f"{what} directory {d} does not exist")
+    check_mountpoint(mnt)
+    cfg = MountConfig(nvme=nvme, shared=shared, mountpoint=mnt, segment_size=a.segment_size,
+                      seal_idle=a.seal_idle, allow_other=a.allow_other,
+                      upload_streams=a.upload_streams, upload_limit=a.upload_limit,
+                      metrics_port=a.metrics_port)
+    if a.node_id:
+        cfg.node_id = a.node_id
+    if a.foreground:
+        setup_logging(a.log_level, a.log_file)
+        ready_fd = a.ready_fd if a.ready_fd is not None else -1
+        try:
+            return run_foreground(cfg, ready_fd)
+        except CliError as e:
+            if ready_fd >= 0:
+                os.write(ready_fd, f"error {e}\n".encode())
+            raise
+    return _daemonize(a, mnt, nvme)
+
+
+def _daemonize(a: argparse.Namespace, mnt: str, nvme: str) -> int:
+    r, w = os.pipe()
+    argv = [sys.executable, "-m", "ckptfs", "mount", "--foreground", "--ready-fd", str(w)]
+    argv += _forwarded_args(a)
+    log_file = a.log_file or os.path.join(nvme, "ckptfs.log")
+    argv += ["--log-file", log_file]
+    argv += [a.nvme, a.shared, a.mountpoint]
+    with open(os.devnull, "rb") as devnull:
+        proc = subprocess.Popen(argv, stdin=devnull, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, pass_fds=(w,), start_new_session=True,
+                                close_fds=True)
+    os.close(w)
+    with os.fdopen(r, "rb") as rf:
+        msg = rf.read().decode(errors="replace").strip()
+    if msg != "ok":
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+        if msg.startswith("error "):
+            raise CliError(msg[6:])
+        last = err.splitlines()[-1] if err else f"daemon exited with {proc.returncode}"
+        raise CliError(f"mount failed: {last} (log: {log_file})")
+    if proc.stderr:
+        proc.stderr.close()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            os.stat(mnt)
+            if layout.mount_type(mnt) == layout.FSTYPE:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise CliError(f"the daemon started but {mnt} did not become usable (log: {log_file})")
+        time.sleep(0.02)
+    print(f"mounted {mnt} (daemon pid {proc.pid}, log {log_file})")
+    return 0
+
+
+def _forwarded_args(a: argparse.Namespace) -> list[str]:
+    out = ["--segment-size", str(a.segment_size), "--seal-idle", str(a.seal_idle),
+           "--log-level", a.log_level, "--upload-streams", str(a.upload_streams),
+           "--upload-limit", str(a.upload_limit), "--metrics-port", str(a.metrics_port)]
+    if a.node_id:
+        out += ["--node-id", a.node_id]
+    if a.allow_other:
+        out.append("--allow-other")
+    return out
+
+
+def _daemon_pid(mnt: str) -> int | None:
+    try:
+        return int(os.getxattr(mnt, "user.ckptfs.pid"))
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def cmd_umount(a: argparse.Namespace) -> int:
+    mnt = os.path.abspath(a.mountpoint)
+    if _is_stale(mnt):
+        _fusermount("-uz", mnt)
+        print(f"{mnt} was a dead mount; cleaned up")
+        return 0
+    if layout.mount_type(mnt) != layout.FSTYPE:
+        raise CliError(f"{mnt} is not a ckptfs mount")
+    pid = _daemon_pid(mnt)
+    if not a.no_drain:
+        _drain_before_umount(mnt, a.timeout)
+    res = _fusermount("-u", mnt)
+    if res.returncode != 0:
+        msg = (res.stderr.strip().splitlines() or ["fusermount3 failed"])[-1]
+        raise CliError(f"cannot unmount {mnt}: {msg}")
+    if pid is not None:
+        deadline = time.monotonic() + a.timeout
+        while _pid_alive(pid):
+            if time.monotonic() > deadline:
+                raise CliError(f"unmounted {mnt} but daemon pid {pid} is still running")
+            time.sleep(0.02)
+    print(f"unmounted {mnt}")
+    return 0
+
+
+def _drain_before_umount(mnt: str, timeout: float) -> None:
+    from ckptfs import control
+
+    try:
+        sock, _ = control.find_socket(mnt)
+        with _progress("draining before unmount") as update:
+            control.request(sock, {"op": "drain", "timeout": timeout}, on_progress=update,
+                            timeout=timeout + 5)
+    except control.ControlError as e:
+        if "unknown control request" in str(e):
+            return
+        raise CliError(f"drain before unmount failed: {e} (use --no-drain to skip)") from None
+
+
+class _progress:
+    """A rich progress bar on a terminal, nothing otherwise."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.bar: Any = None
+
+    def __enter__(self) -> Callable[[dict], None]:
+        if sys.stderr.isatty():
+            from rich.progress import (BarColumn, DownloadColumn, Progress,
+                                       TimeRemainingColumn, TransferSpeedColumn)
+
+            self.bar = Progress("[bold]{task.description}", BarColumn(), DownloadColumn(),
+                                TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=None)
+
+        def update(info: dict) -> None:
+            if self.bar is not None:
+                self.bar.update(self.task, total=info.get("total") or None,
+                                completed=info.get("done", 0))
+
+        return update
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# --- replay / status --------------------------------------------------------------------
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    from ckptfs.daemon import NvmeLock, open_state
+
+    nvme = os.path.abspath(a.nvme)
+    if not os.path.isdir(os.path.join(nvme, layout.SEGMENT_DIR)):
+        raise CliError(f"{nvme} holds no ckptfs log (no {layout.SEGMENT_DIR}/ directory)")
+    lock = NvmeLock(nvme)
+    lock.acquire()
+    try:
+        index, seglog, rep = open_state(nvme, "replay", 256 << 20, full_replay=not a.tail)
+        index.close(commit=True)
+        seglog.close()
+    finally:
+        lock.release()
+    d = rep.as_dict()
+    d["log_bytes_per_s"] = round(rep.bytes_scanned / rep.seconds) if rep.seconds else None
+    if a.json:
+        print(json.dumps(d, indent=2))
+    else:
+        print(f"replayed {rep.records} records from {rep.segments_replayed} of {rep.segments} "
+              f"segments ({rep.bytes_scanned / 1e6:.1f} MB) in {rep.seconds:.2f}s")
+        print(f"namespace: {rep.files} files ({rep.file_bytes / 1e6:.1f} MB), "
+              f"{rep.directories} directories")
+        if rep.torn_tail:
+            print(f"torn tail: {rep.torn_tail}")
+        if rep.recovered_tail:
+            print(f"recovered: {rep.recovered_tail}")
+        for c in rep.corruption:
+            print(f"CORRUPTION: {c}")
+    return 1 if rep.corruption else 0
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from ckptfs import control
+
+    try:
+        sock, _ = control.find_socket(a.path)
+        st = control.request(sock, {"op": "status", "refresh": a.refresh}, timeout=30)["status"]
+    except control.ControlError as e:
+        raise CliError(str(e)) from None
+    if a.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    for k, v in st.items():
+        if k != "replay":
+            print(f"{k:>22}: {v}")
+    return 0
+
+
+# --- the parser -------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ckptfs",
+        description="A checkpoint filesystem: writes land in a log on local NVMe and drain to "
+                    "shared storage as a few big objects.")
+    p.add_argument("--version", action="version", version=f"ckptfs {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub.required = True
+
+    m = sub.add_parser("mount", help="mount ckptfs at MOUNTPOINT",
+                       description="Mount ckptfs. Without --foreground, returns once the mount "
+                                   "is usable and leaves the daemon in the background.")
+    m.add_argument("nvme", metavar="NVME", help="directory on fast local disk (log + index)")
+    m.add_argument("shared", metavar="SHARED", help="directory on the shared NAS / parallel FS")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT", help="where training writes checkpoints")
+    m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
+    m.add_argument("--node-id", help="this node's name on the shared store (default: hostname)")
+    m.add_argument("--segment-size", type=parse_size, default=256 << 20,
+                   help="seal a log segment at this size (default 256M)")
+    m.add_argument("--seal-idle", type=positive_float, default=5.0,
+                   help="seal a segment idle for this many seconds (default 5)")
+    m.add_argument("--upload-streams", type=int, default=2, help="parallel drain streams")
+    m.add_argument("--upload-limit", type=positive_float, default=0.0,
+                   help="drain bandwidth cap in MB/s (0 = none)")
+    m.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on this port (0 = off)")
+    m.add_argument("--allow-other", action="store_true",
+                   help="let other users use the mount (permissions enforced as on ext4)")
+    m.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    m.add_argument("--log-file", help="log here instead of stderr (background: NVME/ckptfs.log)")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.set_defaults(func=cmd_mount)
+
+    u = sub.add_parser("umount", help="drain, then unmount and stop the daemon")
+    u.add_argument("mountpoint", metavar="MOUNTPOINT")
+    u.add_argument("--no-drain", action="store_true", help="unmount without draining first")
+    u.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds to wait for the drain and the daemon (default 600)")
+    u.set_defaults(func=cmd_umount)
+
+    r = sub.add_parser("replay", help="offline: rebuild the index from the log and report",
+                       description="Rebuild NVME's index from its log (no daemon may be "
+                                   "running on NVME). Exit 1 if corruption was found.")
+    r.add_argument("nvme", metavar="NVME")
+    r.add_argument("--tail", action="store_true",
+                   help="only replay beyond the index's last commit (what a mount does)")
+    r.add_argument("--json", action="store_true", help="machine-readable report")
+    r.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("status", help="what the daemon is doing")
+    s.add_argument("path", metavar="PATH", help="the mount point or any path inside it")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--refresh", action="store_true",
+                   help="re-read other nodes' manifests from the shared store first")
+    s.set_defaults(func=cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="ckptfs: %(levelname)s: %(message)s")
+    try:
+        return int(a.func(a) or 0)
+    except CliError as e:
+        print(f"ckptfs: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ckptfs: error: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        print(f"ckptfs: error:{where}: {e.strerror or e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,260 @@
+"""pyfuse3 Operations, thin: translate FUSE requests to the core and errors to FUSEError.
+
+No request, however odd, may kill the daemon: an unexpected exception becomes EIO for that
+request plus a logged traceback, and the mount stays alive.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from typing import Any, Callable
+
+import pyfuse3
+
+from ckptfs.errors import FsError, to_errno
+from ckptfs.index import Inode
+from ckptfs.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+ENTRY_TIMEOUT = 5.0
+ATTR_TIMEOUT = 5.0
+CONTROL_XATTRS = (b"user.ckptfs.control", b"user.ckptfs.pid")
+
+
+def fuse_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except (FsError, OSError) as e:
+            err = to_errno(e)
+            if err == errno.EIO:
+                log.error("%s: %s", fn.__name__, e)
+            raise pyfuse3.FUSEError(err) from None
+        except Exception:
+            log.exception("unexpected error in %s; answering EIO", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def entry(node: Inode) -> pyfuse3.EntryAttributes:
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = node.ino
+    a.generation = 0
+    a.entry_timeout = ENTRY_TIMEOUT
+    a.attr_timeout = ATTR_TIMEOUT
+    a.st_mode = node.mode
+    a.st_nlink = node.nlink
+    a.st_uid = node.uid
+    a.st_gid = node.gid
+    a.st_rdev = node.rdev
+    a.st_size = node.size
+    a.st_blksize = 1 << 20
+    a.st_blocks = (node.size + 511) // 512
+    a.st_atime_ns = node.atime_ns
+    a.st_mtime_ns = node.mtime_ns
+    a.st_ctime_ns = node.ctime_ns
+    return a
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False  # acknowledged data must be in our log, not the kernel's
+    enable_acl = False
+
+    def __init__(self, ns: Namespace, statfs_path: str, control: dict[bytes, bytes],
+                 on_fsync: Callable[[float], None] | None = None):
+        super().__init__()
+        self.ns = ns
+        self.statfs_path = statfs_path
+        self.control = control
+        self.on_fsync = on_fsync
+
+    # --- lookups --------------------------------------------------------------------------
+
+    @fuse_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        return entry(self.ns.lookup(parent_inode, name))
+
+    async def forget(self, inode_list: Any) -> None:
+        for ino, n in inode_list:
+            try:
+                self.ns.forget(ino, n)
+            except Exception:  # forget has no reply; never let it escape
+                log.exception("forget(%d) failed", ino)
+
+    @fuse_errors
+    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        return entry(self.ns.inode(inode))
+
+    @fuse_errors
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any,
+                      ctx: Any) -> pyfuse3.EntryAttributes:
+        node = self.ns.setattr(
+            inode,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return entry(node)
+
+    @fuse_errors
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        return self.ns.readlink(inode)
+
+    # --- namespace ------------------------------------------------------------------------
+
+    @fuse_errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: Any) -> pyfuse3.EntryAttributes:
+        return entry(self.ns.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: Any) -> pyfuse3.EntryAttributes:
+        return entry(self.ns.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: Any) -> pyfuse3.EntryAttributes:
+        return entry(self.ns.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self.ns.unlink(parent_inode, name, want_dir=False)
+
+    @fuse_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self.ns.unlink(parent_inode, name, want_dir=True)
+
+    @fuse_errors
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: Any) -> None:
+        self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @fuse_errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: Any) -> pyfuse3.EntryAttributes:
+        raise FsError(errno.EPERM, "hard links are not supported")
+
+    # --- files ----------------------------------------------------------------------------
+
+    def _fileinfo(self, ino: int, flags: int) -> pyfuse3.FileInfo:
+        fi = pyfuse3.FileInfo(fh=ino)
+        fi.keep_cache = True  # every write goes through us, so the page cache stays right
+        fi.direct_io = bool(flags & getattr(os, "O_DIRECT", 0))
+        return fi
+
+    @fuse_errors
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+        return self._fileinfo(node.ino, flags), entry(node)
+
+    @fuse_errors
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        self.ns.open(inode, flags)
+        return self._fileinfo(inode, flags)
+
+    @fuse_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return self.ns.read(fh, off, size)
+
+    @fuse_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return self.ns.write(fh, off, buf)
+
+    @fuse_errors
+    async def flush(self, fh: int) -> None:
+        return None
+
+    @fuse_errors
+    async def release(self, fh: int) -> None:
+        self.ns.release(fh)
+
+    @fuse_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        import time
+
+        t0 = time.monotonic()
+        await self.ns.fsync()
+        if self.on_fsync is not None:
+            self.on_fsync(time.monotonic() - t0)
+
+    # --- directories ----------------------------------------------------------------------
+
+    @fuse_errors
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        node = self.ns.inode(inode)
+        if not stat.S_ISDIR(node.mode):
+            raise FsError(errno.ENOTDIR)
+        return inode
+
+    @fuse_errors
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        for cookie, name, node in self.ns.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, entry(node), cookie):
+                return
+            self.ns.lookups[node.ino] = self.ns.lookups.get(node.ino, 0) + 1
+
+    @fuse_errors
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    @fuse_errors
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.ns.fsync()
+
+    @fuse_errors
+    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        st = os.statvfs(self.statfs_path)
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = st.f_bsize
+        s.f_frsize = st.f_frsize
+        s.f_blocks = st.f_blocks
+        s.f_bfree = st.f_bfree
+        s.f_bavail = st.f_bavail
+        s.f_files = st.f_files
+        s.f_ffree = st.f_ffree
+        s.f_favail = st.f_favail
+        s.f_namemax = 255
+        return s
+
+    # --- xattrs (plus the control channel on the root) -----------------------------------
+
+    @fuse_errors
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        if inode == pyfuse3.ROOT_INODE and name in self.control:
+            return self.control[name]
+        self.ns.inode(inode)
+        value = self.ns.index.get_xattr(inode, name)
+        if value is None:
+            raise FsError(pyfuse3.ENOATTR)
+        return value
+
+    @fuse_errors
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        if name in CONTROL_XATTRS:
+            raise FsError(errno.EPERM)
+        self.ns.setxattr(inode, name, value)
+
+    @fuse_errors
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        self.ns.inode(inode)
+        return self.ns.index.list_xattrs(inode)
+
+    @fuse_errors
+    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        self.ns.inode(inode)
+        self.ns.removexattr(inode, name)

@@ -1,0 +1,474 @@
+"""The LMDB index: its schema (documented here and in docs/format.md) and the one function that
+applies a log record to it.
+
+The log is the source of truth. The index is derived from it by `apply()`, which the live
+write path and replay both call, so a replayed index is the live index by construction. The
+index is committed in batches; `meta/applied` says up to which log position it reflects, and
+a mount replays the log beyond it.
+
+Databases (keys big-endian so that LMDB's byte order is numeric order):
+
+    meta       b"applied" -> seg u64, pos u64, seq u64   (log position the index reflects)
+               b"next_ino" -> u64
+    inodes     ino u64 -> INODE struct (+ symlink target bytes)
+    dirents    parent u64 + name -> child ino u64, cookie u64
+    cookies    parent u64 + cookie u64 -> name       (readdir order and resumable offsets)
+    extents    ino u64 + file offset u64 -> EXTENT struct
+    segments   seg u64 -> SEGMENT struct (state, size, dead bytes)
+    xattrs     ino u64 + name -> value
+
+LMDB runs with metasync off: a power loss can undo the last index commit but never breaks the
+index, and the log replay redoes what it undid.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Iterator
+
+import lmdb
+
+from ckptfs import segment as fmt
+from ckptfs.segment import RecType, Record
+
+U64 = struct.Struct(">Q")
+KEY2 = struct.Struct(">QQ")
+# mode, uid, gid, nlink, rdev, pad, size, atime_ns, mtime_ns, ctime_ns
+INODE = struct.Struct("<IIIIIIQqqq")
+# segment id, record position, skip into payload, length, payload length of the record
+EXTENT = struct.Struct("<QQIII")
+DIRENT = struct.Struct("<QQ")
+# state u8, pad, size u64, dead bytes u64, sealed time_ns i64
+SEGMENT = struct.Struct("<B7xQQq")
+APPLIED = struct.Struct("<QQQ")
+
+ROOT_INO = 1
+
+
+class SegState:
+    ACTIVE = 0
+    SEALED = 1
+    UPLOADING = 2
+    PUBLISHED = 3
+    EVICTED = 4  # published and the local copy is gone
+    NAMES = {0: "active", 1: "sealed", 2: "uploading", 3: "published", 4: "evicted"}
+
+
+@dataclass(slots=True)
+class Inode:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    rdev: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    target: bytes = b""
+
+    def pack(self) -> bytes:
+        return INODE.pack(self.mode, self.uid, self.gid, self.nlink, self.rdev, 0, self.size,
+                          self.atime_ns, self.mtime_ns, self.ctime_ns) + self.target
+
+    @classmethod
+    def unpack(cls, ino: int, buf: bytes) -> "Inode":
+        mode, uid, gid, nlink, rdev, _p, size, a, m, c = INODE.unpack_from(buf)
+        return cls(ino, mode, uid, gid, nlink, rdev, size, a, m, c, bytes(buf[INODE.size:]))
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+
+@dataclass(slots=True)
+class Extent:
+    start: int  # file offset
+    seg: int
+    rec_pos: int
+    skip: int  # offset of this extent's first byte inside the record payload
+    length: int
+    rec_len: int  # the whole record payload length (to verify its checksum)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def k_ino(ino: int) -> bytes:
+    return U64.pack(ino)
+
+
+def k_dirent(parent: int, name: bytes) -> bytes:
+    return U64.pack(parent) + name
+
+
+def k_ext(ino: int, off: int) -> bytes:
+    return KEY2.pack(ino, off)
+
+
+class Index:
+    """The index and its open write transaction. Single-threaded: the trio thread owns it."""
+
+    def __init__(self, path: str, map_size: int = 1 << 36):
+        os.makedirs(path, exist_ok=True)
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=8, metasync=False, sync=True,
+                             writemap=False, readahead=False, lock=True)
+        self.meta = self.env.open_db(b"meta")
+        self.inodes = self.env.open_db(b"inodes")
+        self.dirents = self.env.open_db(b"dirents")
+        self.cookies = self.env.open_db(b"cookies")
+        self.extents = self.env.open_db(b"extents")
+        self.segments = self.env.open_db(b"segments")
+        self.xattrs = self.env.open_db(b"xattrs")
+        self.txn = self.env.begin(write=True)
+        self.dirty = 0
+        raw = self.txn.get(b"applied", db=self.meta)
+        self.applied = APPLIED.unpack(raw) if raw else (0, 0, 0)
+        raw = self.txn.get(b"next_ino", db=self.meta)
+        self.next_ino = U64.unpack(raw)[0] if raw else ROOT_INO + 1
+        self._dead: dict[int, int] = {}
+
+    # --- transactions -------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Make everything applied so far durable in LMDB and start a new transaction."""
+        self._flush_dead()
+        self.txn.put(b"applied", APPLIED.pack(*self.applied), db=self.meta)
+        self.txn.put(b"next_ino", U64.pack(self.next_ino), db=self.meta)
+        self.txn.commit()
+        self.txn = self.env.begin(write=True)
+        self.dirty = 0
+
+    def close(self, commit: bool = True) -> None:
+        if commit:
+            self.commit()
+        self.txn.abort()
+        self.env.sync(True)
+        self.env.close()
+
+    def wipe(self) -> None:
+        """Forget everything (replay from the start of the log rebuilds it)."""
+        for db in (self.meta, self.inodes, self.dirents, self.cookies, self.extents,
+                   self.segments, self.xattrs):
+            self.txn.drop(db, delete=False)
+        self.applied = (0, 0, 0)
+        self.next_ino = ROOT_INO + 1
+        self._dead.clear()
+
+    # --- inodes ---------------------------------------------------------------------------
+
+    def get_inode(self, ino: int) -> Inode | None:
+        raw = self.txn.get(k_ino(ino), db=self.inodes)
+        return Inode.unpack(ino, raw) if raw is not None else None
+
+    def put_inode(self, ino: Inode) -> None:
+        self.txn.put(k_ino(ino.ino), ino.pack(), db=self.inodes)
+
+    def ensure_root(self, uid: int, gid: int, mode: int, now: int) -> None:
+        if self.get_inode(ROOT_INO) is None:
+            self.put_inode(Inode(ROOT_INO, stat.S_IFDIR | mode, uid, gid, 2, 0, 0, now, now, now))
+
+    def iter_inodes(self) -> Iterator[Inode]:
+        with self.txn.cursor(db=self.inodes) as c:
+            for k, v in c:
+                yield Inode.unpack(U64.unpack(k)[0], v)
+
+    # --- directory entries --------------------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        raw = self.txn.get(k_dirent(parent, name), db=self.dirents)
+        return DIRENT.unpack(raw)[0] if raw is not None else None
+
+    def _link(self, parent: int, name: bytes, child: int, cookie: int) -> None:
+        self.txn.put(k_dirent(parent, name), DIRENT.pack(child, cookie), db=self.dirents)
+        self.txn.put(KEY2.pack(parent, cookie), name, db=self.cookies)
+
+    def _unlink_entry(self, parent: int, name: bytes) -> int | None:
+        key = k_dirent(parent, name)
+        raw = self.txn.get(key, db=self.dirents)
+        if raw is None:
+            return None
+        child, cookie = DIRENT.unpack(raw)
+        self.txn.delete(key, db=self.dirents)
+        self.txn.delete(KEY2.pack(parent, cookie), db=self.cookies)
+        return child
+
+    def readdir(self, parent: int, after_cookie: int) -> Iterator[tuple[int, bytes, int]]:
+        """(cookie, name, child ino) in cookie order, strictly after `after_cookie`."""
+        with self.txn.cursor(db=self.cookies) as c:
+            if not c.set_range(KEY2.pack(parent, after_cookie + 1)):
+                return
+            for k, name in c:
+                p, cookie = KEY2.unpack(k)
+                if p != parent:
+                    return
+                child = self.lookup(parent, bytes(name))
+                if child is not None:
+                    yield cookie, bytes(name), child
+
+    def dir_is_empty(self, ino: int) -> bool:
+        with self.txn.cursor(db=self.cookies) as c:
+            if not c.set_range(KEY2.pack(ino, 0)):
+                return True
+            return KEY2.unpack(c.key())[0] != ino
+
+    # --- extents --------------------------------------------------------------------------
+
+    def _ext(self, k: bytes, v: bytes) -> Extent:
+        _ino, start = KEY2.unpack(k)
+        seg, pos, skip, length, rec_len = EXTENT.unpack(v)
+        return Extent(start, seg, pos, skip, length, rec_len)
+
+    def _put_ext(self, ino: int, e: Extent) -> None:
+        self.txn.put(k_ext(ino, e.start), EXTENT.pack(e.seg, e.rec_pos, e.skip, e.length,
+                                                      e.rec_len), db=self.extents)
+
+    def extents_in(self, ino: int, off: int, end: int) -> list[Extent]:
+        """Extents overlapping [off, end), in order (not clipped)."""
+        out: list[Extent] = []
+        with self.txn.cursor(db=self.extents) as c:
+            found = c.set_range(k_ext(ino, off))
+            # the extent starting before `off` may still cover it
+            if (c.prev() if found else c.last()):
+                k, v = c.item()
+                if KEY2.unpack(k)[0] == ino:
+                    e = self._ext(k, v)
+                    if e.end > off:
+                        out.append(e)
+            if not c.set_range(k_ext(ino, off)):
+                return out
+            for k, v in c:
+                i, start = KEY2.unpack(k)
+                if i != ino or start >= end:
+                    break
+                out.append(self._ext(k, v))
+        return out
+
+    def iter_extents(self, ino: int) -> Iterator[Extent]:
+        with self.txn.cursor(db=self.extents) as c:
+            if not c.set_range(k_ext(ino, 0)):
+                return
+            for k, v in c:
+                if KEY2.unpack(k)[0] != ino:
+                    return
+                yield self._ext(k, v)
+
+    def _punch(self, ino: int, off: int, end: int) -> None:
+        """Remove [off, end) from the extent map, splitting extents at the edges."""
+        for e in self.extents_in(ino, off, end):
+            self.txn.delete(k_ext(ino, e.start), db=self.extents)
+            cut_from, cut_to = max(e.start, off), min(e.end, end)
+            self._dead[e.seg] = self._dead.get(e.seg, 0) + (cut_to - cut_from)
+            if e.start < off:
+                self._put_ext(ino, Extent(e.start, e.seg, e.rec_pos, e.skip, off - e.start,
+                                          e.rec_len))
+            if e.end > end:
+                d = end - e.start
+                self._put_ext(ino, Extent(end, e.seg, e.rec_pos, e.skip + d, e.length - d,
+                                          e.rec_len))
+
+    def _drop_extents(self, ino: int) -> None:
+        for e in list(self.iter_extents(ino)):
+            self._dead[e.seg] = self._dead.get(e.seg, 0) + e.length
+            self.txn.delete(k_ext(ino, e.start), db=self.extents)
+
+    # --- segments -------------------------------------------------------------------------
+
+    def get_segment(self, seg: int) -> tuple[int, int, int, int] | None:
+        raw = self.txn.get(U64.pack(seg), db=self.segments)
+        return SEGMENT.unpack(raw) if raw is not None else None
+
+    def set_segment(self, seg: int, state: int, size: int | None = None,
+                    sealed_ns: int | None = None) -> None:
+        cur = self.get_segment(seg) or (SegState.ACTIVE, 0, 0, 0)
+        self.txn.put(U64.pack(seg), SEGMENT.pack(
+            state, cur[1] if size is None else size, cur[2],
+            cur[3] if sealed_ns is None else sealed_ns), db=self.segments)
+
+    def iter_segments(self) -> Iterator[tuple[int, tuple[int, int, int, int]]]:
+        self._flush_dead()
+        with self.txn.cursor(db=self.segments) as c:
+            for k, v in c:
+                yield U64.unpack(k)[0], SEGMENT.unpack(v)
+
+    def _flush_dead(self) -> None:
+        for seg, n in self._dead.items():
+            cur = self.get_segment(seg)
+            if cur is not None:
+                self.txn.put(U64.pack(seg), SEGMENT.pack(cur[0], cur[1], cur[2] + n, cur[3]),
+                             db=self.segments)
+        self._dead.clear()
+
+    # --- xattrs ---------------------------------------------------------------------------
+
+    def get_xattr(self, ino: int, name: bytes) -> bytes | None:
+        return self.txn.get(k_ino(ino) + name, db=self.xattrs)
+
+    def list_xattrs(self, ino: int) -> list[bytes]:
+        out = []
+        prefix = k_ino(ino)
+        with self.txn.cursor(db=self.xattrs) as c:
+            if c.set_range(prefix):
+                for k in c.iternext(values=False):
+                    if not k.startswith(prefix):
+                        break
+                    out.append(bytes(k[8:]))
+        return out
+
+    # --- applying the log ---------------------------------------------------------------
+
+    def apply(self, seg: int, rec: Record) -> None:
+        """Apply one record. Deterministic: the same records give the same index."""
+        t = rec.type
+        if t == RecType.WRITE:
+            self._apply_write(seg, rec)
+        elif t == RecType.CREATE:
+            self._apply_create(rec)
+        elif t == RecType.UNLINK:
+            self._apply_unlink(rec)
+        elif t == RecType.RENAME:
+            self._apply_rename(rec)
+        elif t == RecType.SETATTR:
+            self._apply_setattr(rec)
+        elif t == RecType.PURGE:
+            self.purge(rec.ino)
+        elif t == RecType.XATTR:
+            name, value = fmt.parse_xattr(rec.payload)
+            key = k_ino(rec.ino) + name
+            if value is None:
+                self.txn.delete(key, db=self.xattrs)
+            else:
+                self.txn.put(key, value, db=self.xattrs)
+        # SEAL changes nothing in the namespace
+        self.applied = (seg, rec.pos + rec.size, rec.seq)
+        self.dirty += 1
+
+    def _apply_write(self, seg: int, rec: Record) -> None:
+        ino = self.get_inode(rec.ino)
+        if ino is None:  # written after unlink, then purged: the data is dead
+            self._dead[seg] = self._dead.get(seg, 0) + rec.length
+            return
+        off, n = rec.offset, rec.length
+        if n:
+            self._punch(rec.ino, off, off + n)
+            self._put_ext(rec.ino, Extent(off, seg, rec.pos, 0, n, n))
+            if off + n > ino.size:
+                ino.size = off + n
+        ino.mtime_ns = ino.ctime_ns = rec.time_ns
+        self.put_inode(ino)
+
+    def _touch_dir(self, ino: int, now: int, nlink_delta: int = 0) -> None:
+        d = self.get_inode(ino)
+        if d is not None:
+            d.mtime_ns = d.ctime_ns = now
+            d.nlink += nlink_delta
+            self.put_inode(d)
+
+    def _apply_create(self, rec: Record) -> None:
+        parent, mode, uid, gid, rdev, name, target = fmt.parse_create(rec.payload)
+        is_dir = stat.S_ISDIR(mode)
+        now = rec.time_ns
+        self.put_inode(Inode(rec.ino, mode, uid, gid, 2 if is_dir else 1, rdev,
+                             len(target) if stat.S_ISLNK(mode) else 0, now, now, now, target))
+        self._link(parent, name, rec.ino, rec.seq)
+        self._touch_dir(parent, now, 1 if is_dir else 0)
+        if rec.ino >= self.next_ino:
+            self.next_ino = rec.ino + 1
+
+    def _drop_link(self, child: int, now: int) -> bool:
+        """One directory entry of `child` went away; True if the child was a directory."""
+        c = self.get_inode(child)
+        if c is None:
+            return False
+        c.nlink = 0 if c.is_dir else max(0, c.nlink - 1)
+        c.ctime_ns = now
+        self.put_inode(c)
+        return c.is_dir
+
+    def _apply_unlink(self, rec: Record) -> None:
+        name = bytes(rec.payload)
+        child = self._unlink_entry(rec.ino, name)
+        if child is None:
+            return
+        was_dir = self._drop_link(child, rec.time_ns)
+        self._touch_dir(rec.ino, rec.time_ns, -1 if was_dir else 0)
+
+    def _apply_rename(self, rec: Record) -> None:
+        op, old, np_, new, flags = fmt.parse_rename(rec.payload)
+        now = rec.time_ns
+        src = self.lookup(op, old)
+        if src is None:
+            return
+        src_ino = self.get_inode(src)
+        src_dir = src_ino is not None and src_ino.is_dir
+        dst = self.lookup(np_, new)
+        if flags & 2:  # RENAME_EXCHANGE
+            if dst is None:
+                return
+            dst_dir = bool((d := self.get_inode(dst)) and d.is_dir)
+            self._unlink_entry(op, old)
+            self._unlink_entry(np_, new)
+            self._link(np_, new, src, rec.seq)
+            self._link(op, old, dst, rec.seq)
+            if op != np_ and src_dir != dst_dir:
+                delta = 1 if dst_dir else -1
+                self._touch_dir(op, now, delta)
+                self._touch_dir(np_, now, -delta)
+            else:
+                self._touch_dir(op, now)
+                self._touch_dir(np_, now)
+            return
+        if dst is not None and dst == src:
+            return
+        self._unlink_entry(op, old)
+        dst_was_dir = False
+        if dst is not None:
+            self._unlink_entry(np_, new)
+            dst_was_dir = self._drop_link(dst, now)
+        self._link(np_, new, src, rec.seq)
+        if src_ino is not None:
+            src_ino.ctime_ns = now
+            self.put_inode(src_ino)
+        if op == np_:
+            self._touch_dir(op, now, -1 if dst_was_dir else 0)
+        else:
+            self._touch_dir(op, now, -1 if src_dir else 0)
+            self._touch_dir(np_, now, (1 if src_dir else 0) - (1 if dst_was_dir else 0))
+
+    def _apply_setattr(self, rec: Record) -> None:
+        ino = self.get_inode(rec.ino)
+        if ino is None:
+            return
+        mask, mode, uid, gid, size, a, m, c = fmt.SETATTR_BODY.unpack_from(rec.payload)
+        if mask & fmt.SET_MODE:
+            ino.mode = (ino.mode & ~0o7777) | (mode & 0o7777)
+        if mask & fmt.SET_UID:
+            ino.uid = uid
+        if mask & fmt.SET_GID:
+            ino.gid = gid
+        if mask & fmt.SET_SIZE:
+            if size < ino.size:
+                self._punch(rec.ino, size, max(ino.size, size) + (1 << 62))
+            ino.size = size
+        if mask & fmt.SET_ATIME:
+            ino.atime_ns = a
+        if mask & fmt.SET_MTIME:
+            ino.mtime_ns = m
+        ino.ctime_ns = c if mask & fmt.SET_CTIME else rec.time_ns
+        self.put_inode(ino)
+
+    def purge(self, ino: int) -> None:
+        """Drop an inode nobody can reach any more, with its data and xattrs."""
+        self._drop_extents(ino)
+        self.txn.delete(k_ino(ino), db=self.inodes)
+        for name in self.list_xattrs(ino):
+            self.txn.delete(k_ino(ino) + name, db=self.xattrs)
+
+    def orphans(self) -> list[int]:
+        """Inodes with no directory entry left (unlinked while open before a crash)."""
+        return [i.ino for i in self.iter_inodes() if i.nlink == 0 and i.ino != ROOT_INO]

@@ -1,0 +1,104 @@
+"""Names of things on disk (NVME and SHARED) and in /proc: one place for all of them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+SEGMENT_DIR = "segments"
+INDEX_DIR = "index"
+LOCK_FILE = "ckptfs.lock"
+CONTROL_SOCKET = "control.sock"
+
+SHARED_ROOT = "ckptfs"
+SHARED_FORMAT_FILE = "FORMAT"
+SHARED_FORMAT = {"format": "ckptfs-shared", "version": 1}
+FSTYPE = "fuse.ckptfs"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_bytes(dest: str, data: bytes) -> None:
+    """Atomically create `dest`: temp file, fsync, rename, fsync the directory.
+
+    Without the file fsync a crash can leave a renamed but empty file; without the directory
+    fsync the rename itself can be lost (LevelDB's SetCurrentFile does the same).
+    """
+    d = os.path.dirname(dest)
+    tmp = os.path.join(d, f".tmp.{os.path.basename(dest)}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, dest)
+    fsync_dir(d)
+
+
+def init_shared(shared: str) -> str:
+    """Create ckptfs's layout on SHARED (idempotent) and check the format of an existing one."""
+    from ckptfs.errors import CliError
+
+    root = os.path.join(shared, SHARED_ROOT)
+    fmt_path = os.path.join(root, SHARED_FORMAT_FILE)
+    try:
+        with open(fmt_path) as f:
+            found = json.load(f)
+        if found.get("format") != SHARED_FORMAT["format"] or found.get("version", 0) > 1:
+            raise CliError(f"{fmt_path}: not a ckptfs shared store this version can use "
+                           f"({found})")
+        return root
+    except FileNotFoundError:
+        pass
+    except (ValueError, AttributeError):
+        raise CliError(f"{fmt_path}: unreadable ckptfs format file") from None
+    try:
+        os.makedirs(root, exist_ok=True)
+        publish_bytes(fmt_path, (json.dumps(SHARED_FORMAT) + "\n").encode())
+    except OSError as e:
+        raise CliError(f"cannot create the ckptfs layout on SHARED {shared}: "
+                       f"{e.strerror}") from None
+    return root
+
+
+def mounts() -> list[tuple[str, str, str]]:
+    """(source, mountpoint, fstype) from /proc/mounts, octal escapes decoded."""
+    out = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3:
+                dec = [p.encode().decode("unicode_escape") for p in parts[:3]]
+                out.append((dec[0], dec[1], dec[2]))
+    return out
+
+
+def mount_type(mountpoint: str) -> str | None:
+    mp = os.path.realpath(mountpoint)
+    found = None
+    for _src, m, t in mounts():
+        if m == mp:
+            found = t
+    return found
+
+
+def mount_device(mountpoint: str) -> str | None:
+    """major:minor of the filesystem mounted at `mountpoint` (from mountinfo, no stat)."""
+    mp = os.path.abspath(mountpoint)  # not realpath: it would stat the mount itself
+    dev = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 4 and parts[4].encode().decode("unicode_escape") == mp:
+                dev = parts[2]
+    return dev

@@ -1,0 +1,220 @@
+"""The segment log on NVMe: append records, group-commit fsyncs, seal full or idle segments.
+
+Appends are plain pwritev calls on the trio thread: once a record is in the kernel's page cache
+it survives a SIGKILL of the daemon, which is the first half of the promise. fsync() is the
+second half: `sync()` makes every record appended so far durable with one fdatasync per segment
+touched, shared by every caller waiting at the same time (group commit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from ckptfs import segment as fmt
+from ckptfs.segment import RecType, Record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LogStats:
+    records: int = 0
+    bytes_appended: int = 0
+    data_bytes: int = 0
+    flushes: int = 0
+    sync_calls: int = 0
+    seals: dict[str, int] = field(default_factory=lambda: {"size": 0, "idle": 0, "wait": 0,
+                                                            "recovery": 0, "shutdown": 0})
+
+
+class SegmentLog:
+    def __init__(self, seg_dir: str, node_id: str, segment_size: int):
+        self.dir = seg_dir
+        self.node_id = node_id
+        self.segment_size = segment_size
+        os.makedirs(seg_dir, exist_ok=True)
+        self.dir_fd = os.open(seg_dir, os.O_RDONLY | os.O_DIRECTORY)
+        self.seg_id = 0  # active segment, 0 = none open
+        self.fd = -1
+        self.tail = 0
+        self.seq = 0
+        self.rows = bytearray()  # SEAL table rows of the active segment
+        self.last_append = 0.0
+        self.stats = LogStats()
+        # group commit: (seg, pos) made durable so far
+        self.synced: tuple[int, int] = (0, 0)
+        self._unsynced: list[int] = []  # sealed segments' fds awaiting fdatasync
+        self._dir_dirty = False
+        self._flush_lock = trio.Lock()
+        self.on_seal = None  # callback(seg_id, size, reason), set by the owner
+
+    # --- segment files ------------------------------------------------------------------
+
+    def path(self, seg_id: int) -> str:
+        return os.path.join(self.dir, fmt.segment_name(seg_id))
+
+    def existing(self) -> list[int]:
+        out = []
+        for n in os.listdir(self.dir):
+            if n.endswith(".seg") and len(n) == 20:
+                try:
+                    out.append(int(n[:16], 16))
+                except ValueError:
+                    pass
+        return sorted(out)
+
+    def _open_new(self) -> None:
+        ids = self.existing()
+        self.seg_id = max([self.seg_id, *ids]) + 1
+        path = self.path(self.seg_id)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        os.pwrite(self.fd, fmt.segment_header(self.seg_id, self.node_id, time.time_ns()), 0)
+        self.tail = fmt.SEGMENT_HEADER_SIZE
+        self.rows = bytearray()
+        self._dir_dirty = True  # the new name must reach the disk before an fsync returns
+
+    def close(self) -> None:
+        for fd in self._unsynced:
+            os.fdatasync(fd)
+            os.close(fd)
+        self._unsynced.clear()
+        if self.fd >= 0:
+            os.fdatasync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+        os.fsync(self.dir_fd)
+        os.close(self.dir_fd)
+
+    # --- appending ------------------------------------------------------------------------
+
+    def append(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview = b"",
+               time_ns: int | None = None) -> tuple[int, Record]:
+        """Append one record; returns (segment id, record) for the index to apply."""
+        if self.fd < 0:
+            self._open_new()
+        now = time.time_ns() if time_ns is None else time_ns
+        self.seq += 1
+        parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
+        pos = self.tail
+        size = fmt.record_size(len(payload))
+        n = os.pwritev(self.fd, parts, pos)
+        if n != size:  # ENOSPC mid-record: leave the tail where it was, never a torn record
+            raise OSError(28, "short write to the log")
+        self.tail = pos + size
+        csum = fmt.CSUM.unpack_from(parts[0], fmt.RECORD_HEADER.size)[0]
+        self.rows += fmt.SEAL_ROW.pack(pos, rtype, len(payload), ino, offset, self.seq, csum)
+        self.last_append = time.monotonic()
+        st = self.stats
+        st.records += 1
+        st.bytes_appended += size
+        if rtype == RecType.WRITE:
+            st.data_bytes += len(payload)
+        rec = Record(rtype, ino, offset, now, self.seq, payload, pos, len(payload), csum)
+        return self.seg_id, rec
+
+    def should_seal(self) -> bool:
+        return self.fd >= 0 and self.tail >= self.segment_size
+
+    def has_records(self) -> bool:
+        return self.fd >= 0 and self.tail > fmt.SEGMENT_HEADER_SIZE
+
+    def seal(self, reason: str) -> tuple[int, Record] | None:
+        """Close the active segment with its record table; the next append opens a new one.
+
+        The SEAL record is returned so the index can note the log position; the fdatasync of
+        the sealed file happens at the next flush (seal is on the write path and must not
+        block it on the disk).
+        """
+        if not self.has_records():
+            return None
+        seg_id, rec = self.append(RecType.SEAL, 0, 0, bytes(self.rows))
+        foot = fmt.footer(rec.pos, len(self.rows) // fmt.SEAL_ROW.size)
+        os.pwrite(self.fd, foot, self.tail)
+        self.tail += len(foot)
+        size = self.tail
+        self._unsynced.append(self.fd)
+        self.fd = -1
+        self.rows = bytearray()
+        self.stats.seals[reason] = self.stats.seals.get(reason, 0) + 1
+        log.info("sealed segment %s (%d bytes, %s)", fmt.segment_name(seg_id), size, reason)
+        if self.on_seal is not None:
+            self.on_seal(seg_id, size, reason)
+        return seg_id, rec
+
+    # --- durability -----------------------------------------------------------------------
+
+    async def sync(self) -> None:
+        """Return once every record appended before the call is on stable storage."""
+        self.stats.sync_calls += 1
+        goal = (self.seg_id, self.tail)
+        if not self._unsynced and not self._dir_dirty and self.synced >= goal:
+            return
+        async with self._flush_lock:
+            if self.synced >= goal and not self._unsynced and not self._dir_dirty:
+                return  # a flush that started after our append covered us
+            await self._flush()
+
+    async def _flush(self) -> None:
+        goal = (self.seg_id, self.tail)
+        sealed = list(self._unsynced)
+        self._unsynced.clear()
+        fd = self.fd
+        dir_dirty = self._dir_dirty
+        self._dir_dirty = False
+
+        def work() -> None:
+            for sfd in sealed:
+                os.fdatasync(sfd)
+            if fd >= 0:
+                os.fdatasync(fd)
+            if dir_dirty:
+                os.fsync(self.dir_fd)
+
+        try:
+            await trio.to_thread.run_sync(work)
+        except BaseException:
+            self._unsynced[:0] = sealed
+            self._dir_dirty = self._dir_dirty or dir_dirty
+            raise
+        for sfd in sealed:
+            os.close(sfd)
+        self.stats.flushes += 1
+        if goal > self.synced:
+            self.synced = goal
+
+    def sync_now(self) -> None:
+        """Synchronous flush of whatever sync() has not covered yet (usually very little)."""
+        goal = (self.seg_id, self.tail)
+        for sfd in self._unsynced:
+            os.fdatasync(sfd)
+            os.close(sfd)
+        self._unsynced.clear()
+        if self.fd >= 0 and self.synced < goal:
+            os.fdatasync(self.fd)
+        if self._dir_dirty:
+            os.fsync(self.dir_fd)
+            self._dir_dirty = False
+        self.synced = max(self.synced, goal)
+
+    def recover_tail(self, seg_id: int, scan: fmt.ScanResult, rows: bytearray, seq: int) -> None:
+        """After replay: close an unsealed newest segment so appends start on a clean file.
+
+        The torn tail (if any) is cut off first, so garbage never sits between records.
+        """
+        path = self.path(seg_id)
+        fd = os.open(path, os.O_RDWR)
+        os.ftruncate(fd, scan.end)
+        self.fd, self.seg_id, self.tail, self.rows = fd, seg_id, scan.end, rows
+        self.seq = max(self.seq, seq)
+        self.seal("recovery")
+        # the sealed file is fdatasync'd by the first flush; do it now, we are starting up
+        for sfd in self._unsynced:
+            os.fdatasync(sfd)
+            os.close(sfd)
+        self._unsynced.clear()
+        self.seg_id = seg_id

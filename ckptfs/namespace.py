@@ -1,0 +1,320 @@
+"""The filesystem core: POSIX operations as log records applied to the index.
+
+Every mutation follows one pattern: validate against the index, append a record to the log
+(from then on it survives a SIGKILL), apply the same record to the index. Replay applies the
+same records with the same code, so what a crash leaves behind is what was acknowledged.
+
+No FUSE here: fs.py translates; this module is testable without a mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+
+from ckptfs import segment as fmt
+from ckptfs.errors import FsError
+from ckptfs.index import ROOT_INO, Index, Inode, SegState
+from ckptfs.log import SegmentLog
+from ckptfs.reads import Reader
+from ckptfs.segment import RecType
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+
+
+def check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG)
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+        raise FsError(errno.EINVAL)
+
+
+@dataclass
+class OpCounts:
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def bump(self, op: str) -> None:
+        self.counts[op] = self.counts.get(op, 0) + 1
+
+
+class Namespace:
+    def __init__(self, index: Index, seglog: SegmentLog, reader: Reader):
+        self.index = index
+        self.log = seglog
+        self.reader = reader
+        self.lookups: dict[int, int] = {}  # kernel lookup counts
+        self.opens: dict[int, int] = {}  # open file handles per inode
+        self.ops = OpCounts()
+        self.last_write_ns = 0
+        self.seglog_on_seal = None
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _record(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview = b"",
+                time_ns: int | None = None) -> None:
+        seg, rec = self.log.append(rtype, ino, offset, payload, time_ns)
+        if self.index.get_segment(seg) is None:
+            self.index.set_segment(seg, SegState.ACTIVE)
+        self.index.apply(seg, rec)
+        if self.log.should_seal():
+            self.seal("size")
+
+    def seal(self, reason: str) -> int | None:
+        """Seal the active segment; returns its id (or None if it was empty)."""
+        seg_id = self.log.seg_id if self.log.has_records() else None
+        res = self.log.seal(reason)
+        if res is None:
+            return None
+        seg, rec = res
+        self.index.apply(seg, rec)
+        self.index.set_segment(seg, SegState.SEALED, size=rec.pos + rec.size + fmt.FOOTER_SIZE,
+                               sealed_ns=time.time_ns())
+        return seg_id
+
+    def inode(self, ino: int) -> Inode:
+        node = self.index.get_inode(ino)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        return node
+
+    def _dir(self, ino: int) -> Inode:
+        node = self.inode(ino)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return node
+
+    # --- lookups and reference counts -----------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes, count: bool = True) -> Inode:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        self._dir(parent)
+        if name == b".":
+            child = parent
+        else:
+            found = self.index.lookup(parent, name)
+            if found is None:
+                raise FsError(errno.ENOENT)
+            child = found
+        node = self.inode(child)
+        if count:
+            self.lookups[child] = self.lookups.get(child, 0) + 1
+        return node
+
+    def forget(self, ino: int, n: int) -> None:
+        left = self.lookups.get(ino, 0) - n
+        if left > 0:
+            self.lookups[ino] = left
+            return
+        self.lookups.pop(ino, None)
+        self._maybe_purge(ino)
+
+    def _maybe_purge(self, ino: int) -> None:
+        if ino == ROOT_INO or self.lookups.get(ino) or self.opens.get(ino):
+            return
+        node = self.index.get_inode(ino)
+        if node is not None and node.nlink == 0:
+            self._record(RecType.PURGE, ino, 0)
+
+    def purge_orphans(self) -> int:
+        """At mount: inodes unlinked while open before a crash are dead now."""
+        dead = self.index.orphans()
+        for ino in dead:
+            self._record(RecType.PURGE, ino, 0)
+        return len(dead)
+
+    # --- namespace operations -------------------------------------------------------------
+
+    def _new_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
+                  target: bytes = b"") -> Inode:
+        check_name(name)
+        self._dir(parent)
+        if self.index.lookup(parent, name) is not None:
+            raise FsError(errno.EEXIST)
+        ino = self.index.next_ino
+        self.index.next_ino += 1
+        self._record(RecType.CREATE, ino, 0, fmt.create_body(parent, mode, uid, gid, rdev, name,
+                                                              target))
+        self.lookups[ino] = self.lookups.get(ino, 0) + 1
+        return self.inode(ino)
+
+    def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        self.ops.bump("create")
+        node = self._new_node(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+        self.opens[node.ino] = self.opens.get(node.ino, 0) + 1
+        return node
+
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> Inode:
+        self.ops.bump("mknod")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+                or stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            raise FsError(errno.EINVAL)
+        return self._new_node(parent, name, mode, uid, gid, rdev)
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        self.ops.bump("mkdir")
+        # setgid directories pass their group and the bit on, as on ext4
+        pnode = self._dir(parent)
+        if pnode.mode & stat.S_ISGID:
+            gid = pnode.gid
+            mode |= stat.S_ISGID
+        return self._new_node(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        self.ops.bump("symlink")
+        if len(target) > 4095:
+            raise FsError(errno.ENAMETOOLONG)
+        return self._new_node(parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def readlink(self, ino: int) -> bytes:
+        node = self.inode(ino)
+        if not stat.S_ISLNK(node.mode):
+            raise FsError(errno.EINVAL)
+        return node.target
+
+    def unlink(self, parent: int, name: bytes, want_dir: bool) -> None:
+        self.ops.bump("rmdir" if want_dir else "unlink")
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        self._dir(parent)
+        child = self.index.lookup(parent, name)
+        if child is None:
+            raise FsError(errno.ENOENT)
+        node = self.inode(child)
+        if want_dir:
+            if not node.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not self.index.dir_is_empty(child):
+                raise FsError(errno.ENOTEMPTY)
+        elif node.is_dir:
+            raise FsError(errno.EISDIR)
+        self._record(RecType.UNLINK, parent, 0, name)
+        self._maybe_purge(child)
+
+    def rename(self, op: int, old: bytes, np_: int, new: bytes, flags: int) -> None:
+        self.ops.bump("rename")
+        check_name(new)
+        self._dir(op)
+        self._dir(np_)
+        src = self.index.lookup(op, old)
+        if src is None:
+            raise FsError(errno.ENOENT)
+        snode = self.inode(src)
+        dst = self.index.lookup(np_, new)
+        if flags & 1 and dst is not None:  # RENAME_NOREPLACE
+            raise FsError(errno.EEXIST)
+        if flags & 2:  # RENAME_EXCHANGE
+            if dst is None:
+                raise FsError(errno.ENOENT)
+        elif dst is not None and dst != src:
+            dnode = self.inode(dst)
+            if snode.is_dir and not dnode.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not snode.is_dir and dnode.is_dir:
+                raise FsError(errno.EISDIR)
+            if dnode.is_dir and not self.index.dir_is_empty(dst):
+                raise FsError(errno.ENOTEMPTY)
+        if dst == src:
+            return
+        self._record(RecType.RENAME, 0, 0, fmt.rename_body(op, old, np_, new, flags))
+        if dst is not None and not flags & 2:
+            self._maybe_purge(dst)
+
+    def setattr(self, ino: int, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, size: int | None = None, atime_ns: int | None = None,
+                mtime_ns: int | None = None) -> Inode:
+        self.ops.bump("setattr")
+        node = self.inode(ino)
+        mask = 0
+        if mode is not None:
+            mask |= fmt.SET_MODE
+        if uid is not None:
+            mask |= fmt.SET_UID
+        if gid is not None:
+            mask |= fmt.SET_GID
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            if not stat.S_ISREG(node.mode):
+                raise FsError(errno.EINVAL)
+            if size < 0 or size > (1 << 62):
+                raise FsError(errno.EFBIG)
+            mask |= fmt.SET_SIZE
+            if mtime_ns is None:  # truncate moves mtime as on ext4
+                mtime_ns = time.time_ns()
+        if atime_ns is not None:
+            mask |= fmt.SET_ATIME
+        if mtime_ns is not None:
+            mask |= fmt.SET_MTIME
+        if mask:
+            self._record(RecType.SETATTR, ino, 0, fmt.setattr_body(
+                mask, mode or 0, uid or 0, gid or 0, size or 0, atime_ns or 0, mtime_ns or 0))
+        return self.inode(ino)
+
+    # --- files ----------------------------------------------------------------------------
+
+    def open(self, ino: int, flags: int) -> Inode:
+        node = self.inode(ino)
+        if node.is_dir and flags & os.O_ACCMODE != os.O_RDONLY:
+            raise FsError(errno.EISDIR)
+        self.opens[ino] = self.opens.get(ino, 0) + 1
+        if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY and node.size:
+            node = self.setattr(ino, size=0)
+        return node
+
+    def release(self, ino: int) -> None:
+        left = self.opens.get(ino, 0) - 1
+        if left > 0:
+            self.opens[ino] = left
+        else:
+            self.opens.pop(ino, None)
+            self._maybe_purge(ino)
+
+    def write(self, ino: int, off: int, data: bytes | memoryview) -> int:
+        if off + len(data) > (1 << 62):
+            raise FsError(errno.EFBIG)
+        self._record(RecType.WRITE, ino, off, data)
+        self.last_write_ns = time.time_ns()
+        return len(data)
+
+    def read(self, ino: int, off: int, size: int) -> bytes:
+        node = self.inode(ino)
+        end = min(off + size, node.size)
+        if off >= end:
+            return b""
+        return self.reader.read(self.index.extents_in(ino, off, end), off, size, node.size)
+
+    async def fsync(self) -> None:
+        self.ops.bump("fsync")
+        await self.log.sync()
+
+    # --- directories ----------------------------------------------------------------------
+
+    def readdir(self, ino: int, after: int) -> list[tuple[int, bytes, Inode]]:
+        out = []
+        for cookie, name, child in self.index.readdir(ino, after):
+            node = self.index.get_inode(child)
+            if node is not None:
+                out.append((cookie, name, node))
+        return out
+
+    # --- xattrs ---------------------------------------------------------------------------
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self.inode(ino)
+        if len(name) > 255:
+            raise FsError(errno.ERANGE)
+        if len(value) > 65536:
+            raise FsError(errno.E2BIG)
+        self._record(RecType.XATTR, ino, 0, fmt.xattr_body(name, value))
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        if self.index.get_xattr(ino, name) is None:
+            raise FsError(errno.ENODATA)
+        self._record(RecType.XATTR, ino, 0, fmt.xattr_body(name, None))

@@ -1,0 +1,111 @@
+"""The read path: a file range -> extents -> bytes from a local segment or a shared object.
+
+Every record is verified against its checksum the first time a read touches it (the whole
+record is read once, then served from the page cache); a mismatch is EIO for that extent and a
+log line naming segment and offset, never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections import OrderedDict
+from typing import Callable, Protocol
+
+from ckptfs import segment as fmt
+from ckptfs.errors import CorruptData, FsError
+from ckptfs.index import Extent
+
+log = logging.getLogger(__name__)
+
+HDR = fmt.RECORD_HEADER_SIZE
+
+
+class RemoteSource(Protocol):
+    """Where a segment that is not on local disk can be read from (the shared store)."""
+
+    def read_range(self, seg: int, offset: int, length: int) -> bytes: ...
+
+
+class Reader:
+    def __init__(self, seg_path: Callable[[int], str], remote: RemoteSource | None = None,
+                 max_fds: int = 128, max_verified: int = 1 << 17):
+        self.seg_path = seg_path
+        self.remote = remote
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._verified: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.max_fds = max_fds
+        self.max_verified = max_verified
+        self.corrupt_reads = 0
+        self.remote_bytes = 0
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def forget(self, seg: int) -> None:
+        """The local file of `seg` is going away (evicted)."""
+        fd = self._fds.pop(seg, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _fd(self, seg: int) -> int | None:
+        fd = self._fds.get(seg)
+        if fd is not None:
+            self._fds.move_to_end(seg)
+            return fd
+        try:
+            fd = os.open(self.seg_path(seg), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        self._fds[seg] = fd
+        if len(self._fds) > self.max_fds:
+            _, old = self._fds.popitem(last=False)
+            os.close(old)
+        return fd
+
+    def _pread(self, seg: int, length: int, offset: int) -> bytes:
+        fd = self._fd(seg)
+        if fd is not None:
+            return os.pread(fd, length, offset)
+        if self.remote is None:
+            raise FsError(errno.EIO, f"segment {fmt.segment_name(seg)} is not on local disk")
+        data = self.remote.read_range(seg, offset, length)
+        self.remote_bytes += len(data)
+        return data
+
+    def read_extent(self, e: Extent, rel: int, n: int) -> bytes:
+        """n bytes starting `rel` bytes into extent e."""
+        key = (e.seg, e.rec_pos)
+        if key in self._verified:
+            self._verified.move_to_end(key)
+            data = self._pread(e.seg, n, e.rec_pos + HDR + e.skip + rel)
+            if len(data) == n:
+                return data
+        whole = self._pread(e.seg, HDR + e.rec_len, e.rec_pos)
+        if not fmt.verify_record(whole):
+            self.corrupt_reads += 1
+            where = f"segment {fmt.segment_name(e.seg)} record at offset {e.rec_pos}"
+            log.error("checksum mismatch reading %s: returning EIO", where)
+            raise CorruptData(where)
+        self._verified[key] = None
+        if len(self._verified) > self.max_verified:
+            self._verified.popitem(last=False)
+        start = HDR + e.skip + rel
+        return whole[start:start + n]
+
+    def read(self, extents: list[Extent], off: int, size: int, file_size: int) -> bytes:
+        end = min(off + size, file_size)
+        if off >= end:
+            return b""
+        pieces = [(max(e.start, off), min(e.end, end), e) for e in extents]
+        pieces = [p for p in pieces if p[0] < p[1]]
+        if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == end:
+            s, t, e = pieces[0]
+            return self.read_extent(e, s - e.start, t - s)
+        buf = bytearray(end - off)  # holes read as zeros
+        for s, t, e in pieces:
+            buf[s - off:t - off] = self.read_extent(e, s - e.start, t - s)
+        return bytes(buf)

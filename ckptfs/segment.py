@@ -1,0 +1,349 @@
+"""Record and segment format: the one place that defines the bytes of the log.
+
+A segment file is a 64-byte header followed by records. Every record is a fixed 56-byte header,
+then a payload, padded to a multiple of 8 bytes:
+
+    magic u32 | type u8 | flags u8 | reserved u16 | length u32 (payload bytes, unpadded) |
+    reserved u32 | ino u64 | offset u64 | time_ns i64 | seq u64 | csum u64
+
+`csum` is xxh3_64 over the first 48 header bytes followed by the payload. A sealed segment ends
+with a SEAL record whose payload is a table of every record in the segment (so the segment is
+self-describing: a reader can verify and index it without scanning), followed by a 32-byte
+footer. The published object on the shared store is the sealed segment file byte for byte.
+
+A torn record at the tail of the newest segment is the end of the log; a bad checksum anywhere
+else is corruption (`CorruptRecord`, naming segment and offset). docs/format.md is the prose
+version of this module.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+import xxhash
+
+SEGMENT_MAGIC = b"CKPTSEG1"
+SEGMENT_VERSION = 1
+# magic, version u32, reserved u32, segment id u64, created time_ns i64, node id (16 bytes,
+# NUL padded), header csum u64 (xxh3_64 of the preceding 48 bytes), reserved 8 bytes.
+SEGMENT_HEADER = struct.Struct("<8sIIQq16sQ8x")
+SEGMENT_HEADER_SIZE = SEGMENT_HEADER.size  # 64
+assert SEGMENT_HEADER_SIZE == 64
+
+RECORD_MAGIC = 0x31524B43  # b"CKR1" little-endian
+RECORD_HEADER = struct.Struct("<IBBHIIQQqQ")  # without the trailing csum
+RECORD_HEADER_SIZE = RECORD_HEADER.size + 8  # 56
+assert RECORD_HEADER_SIZE == 56
+CSUM = struct.Struct("<Q")
+MAX_PAYLOAD = 16 << 20  # a sanity bound for readers; writers never exceed ~1 MiB + names
+
+# Footer of a sealed segment: magic, offset of the SEAL record, record count, footer csum.
+FOOTER_MAGIC = b"CKPTEND1"
+FOOTER = struct.Struct("<8sQQQ")
+FOOTER_SIZE = FOOTER.size  # 32
+
+
+class RecType:
+    WRITE = 1  # ino, offset; payload = data
+    CREATE = 2  # new inode + directory entry; payload = CreateBody + name (+ symlink target)
+    UNLINK = 3  # ino = parent; payload = name (file or empty dir; rmdir is UNLINK of a dir)
+    RENAME = 4  # payload = RenameBody + old name + new name
+    SETATTR = 5  # ino; payload = SetattrBody (mask says which fields)
+    SEAL = 6  # payload = table of the segment's records
+    PURGE = 7  # ino: an unlinked inode's last reference went away; its data is dead
+    XATTR = 8  # ino; payload = name len u16 + name + value (value absent => remove)
+
+    NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
+             7: "PURGE", 8: "XATTR"}
+
+
+# CREATE: parent u64, mode u32, uid u32, gid u32, rdev u32, name_len u16, target_len u16,
+#         then name, then symlink target. (ino and time_ns are in the record header.)
+CREATE_BODY = struct.Struct("<QIIIIHH")
+# RENAME: old parent u64, new parent u64, flags u32, old name len u16, new name len u16
+RENAME_BODY = struct.Struct("<QQIHH")
+# SETATTR: mask u32, mode u32, uid u32, gid u32, size u64, atime_ns i64, mtime_ns i64, ctime i64
+SETATTR_BODY = struct.Struct("<IIIIQqqq")
+SET_MODE, SET_UID, SET_GID, SET_SIZE, SET_ATIME, SET_MTIME, SET_CTIME = (1, 2, 4, 8, 16, 32, 64)
+# One row of the SEAL table: record offset u64, type u8, pad, length u32, ino u64, file offset u64,
+# seq u64, csum u64.
+SEAL_ROW = struct.Struct("<QB3xIQQQQ")
+
+
+class CorruptRecord(Exception):
+    """A record failed its checksum or is malformed somewhere other than the log's tail."""
+
+    def __init__(self, path: str, offset: int, why: str):
+        super().__init__(f"{path}: corrupt record at offset {offset}: {why}")
+        self.path = path
+        self.offset = offset
+        self.why = why
+
+
+@dataclass(slots=True)
+class Record:
+    type: int
+    ino: int
+    offset: int
+    time_ns: int
+    seq: int
+    payload: bytes | memoryview
+    pos: int = 0  # offset of the record header in its segment
+    length: int = 0  # payload length
+    csum: int = 0
+
+    @property
+    def size(self) -> int:
+        return record_size(self.length)
+
+
+def pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def record_size(payload_len: int) -> int:
+    return RECORD_HEADER_SIZE + pad8(payload_len)
+
+
+def encode_header(rtype: int, ino: int, offset: int, time_ns: int, seq: int,
+                  payload: bytes | memoryview) -> bytes:
+    """The 56-byte header of a record; the caller writes header, payload and padding."""
+    head = RECORD_HEADER.pack(RECORD_MAGIC, rtype, 0, 0, len(payload), 0, ino, offset, time_ns,
+                              seq)
+    h = xxhash.xxh3_64(head)
+    h.update(payload)
+    return head + CSUM.pack(h.intdigest())
+
+
+_ZEROS = bytes(8)
+
+
+def encode_record(rtype: int, ino: int, offset: int, time_ns: int, seq: int,
+                  payload: bytes | memoryview) -> list[bytes | memoryview]:
+    """Header, payload and padding as a list for os.pwritev (no copy of the payload)."""
+    parts: list[bytes | memoryview] = [encode_header(rtype, ino, offset, time_ns, seq, payload)]
+    if payload:
+        parts.append(payload)
+    pad = pad8(len(payload)) - len(payload)
+    if pad:
+        parts.append(_ZEROS[:pad])
+    return parts
+
+
+def decode_header(buf: bytes | memoryview) -> tuple[int, int, int, int, int, int, int] | None:
+    """(type, length, ino, offset, time_ns, seq, csum), or None if the magic is wrong."""
+    (magic, rtype, _flags, _res, length, _res2, ino, offset, time_ns,
+     seq) = RECORD_HEADER.unpack_from(buf)
+    if magic != RECORD_MAGIC:
+        return None
+    (csum,) = CSUM.unpack_from(buf, RECORD_HEADER.size)
+    return rtype, length, ino, offset, time_ns, seq, csum
+
+
+def record_checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
+    h = xxhash.xxh3_64(bytes(header[: RECORD_HEADER.size]))
+    h.update(payload)
+    return h.intdigest()
+
+
+def verify_record(buf: bytes | memoryview) -> bool:
+    """buf holds one whole record starting at 0 (header + payload)."""
+    hdr = decode_header(buf)
+    if hdr is None:
+        return False
+    length, csum = hdr[1], hdr[6]
+    if RECORD_HEADER_SIZE + length > len(buf):
+        return False
+    return record_checksum(buf[:RECORD_HEADER.size],
+                           memoryview(buf)[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + length]) == csum
+
+
+def segment_header(seg_id: int, node_id: str, created_ns: int) -> bytes:
+    node = node_id.encode()[:16]
+    head = struct.pack("<8sIIQq16s", SEGMENT_MAGIC, SEGMENT_VERSION, 0, seg_id, created_ns, node)
+    return head + CSUM.pack(xxhash.xxh3_64_intdigest(head)) + bytes(8)
+
+
+def parse_segment_header(buf: bytes, path: str) -> tuple[int, int, str]:
+    """(segment id, created time_ns, node id) or CorruptRecord."""
+    if len(buf) < SEGMENT_HEADER_SIZE:
+        raise CorruptRecord(path, 0, "short segment header")
+    magic, version, _r, seg_id, created, node, csum = SEGMENT_HEADER.unpack_from(buf)
+    if magic != SEGMENT_MAGIC:
+        raise CorruptRecord(path, 0, "not a ckptfs segment (bad magic)")
+    if xxhash.xxh3_64_intdigest(buf[:48]) != csum:
+        raise CorruptRecord(path, 0, "segment header checksum mismatch")
+    if version != SEGMENT_VERSION:
+        raise CorruptRecord(path, 0, f"unsupported segment version {version}")
+    return seg_id, created, node.rstrip(b"\0").decode(errors="replace")
+
+
+def segment_name(seg_id: int) -> str:
+    return f"{seg_id:016x}.seg"
+
+
+# --- bodies of metadata records -------------------------------------------------------------
+
+def create_body(parent: int, mode: int, uid: int, gid: int, rdev: int, name: bytes,
+                target: bytes = b"") -> bytes:
+    return CREATE_BODY.pack(parent, mode, uid, gid, rdev, len(name), len(target)) + name + target
+
+
+def parse_create(p: bytes | memoryview) -> tuple[int, int, int, int, int, bytes, bytes]:
+    parent, mode, uid, gid, rdev, nlen, tlen = CREATE_BODY.unpack_from(p)
+    o = CREATE_BODY.size
+    return parent, mode, uid, gid, rdev, bytes(p[o:o + nlen]), bytes(p[o + nlen:o + nlen + tlen])
+
+
+def rename_body(old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> bytes:
+    return RENAME_BODY.pack(old_parent, new_parent, flags, len(old), len(new)) + old + new
+
+
+def parse_rename(p: bytes | memoryview) -> tuple[int, bytes, int, bytes, int]:
+    op, np_, flags, olen, nlen = RENAME_BODY.unpack_from(p)
+    o = RENAME_BODY.size
+    return op, bytes(p[o:o + olen]), np_, bytes(p[o + olen:o + olen + nlen]), flags
+
+
+def setattr_body(mask: int, mode: int = 0, uid: int = 0, gid: int = 0, size: int = 0,
+                 atime_ns: int = 0, mtime_ns: int = 0, ctime_ns: int = 0) -> bytes:
+    return SETATTR_BODY.pack(mask, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns)
+
+
+def xattr_body(name: bytes, value: bytes | None) -> bytes:
+    flag = 0 if value is None else 1
+    return struct.pack("<HB", len(name), flag) + name + (value or b"")
+
+
+def parse_xattr(p: bytes | memoryview) -> tuple[bytes, bytes | None]:
+    nlen, flag = struct.unpack_from("<HB", p)
+    name = bytes(p[3:3 + nlen])
+    return name, (bytes(p[3 + nlen:]) if flag else None)
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+@dataclass
+class ScanResult:
+    records: int = 0
+    end: int = SEGMENT_HEADER_SIZE  # offset just past the last good record
+    sealed: bool = False
+    torn_tail: bool = False  # a partial/invalid record at the end with nothing valid after it
+    corruption: list[CorruptRecord] | None = None
+
+
+def _find_next_valid(f: BinaryIO, start: int, file_size: int, path: str) -> int | None:
+    """Scan 8-byte aligned offsets after a bad record for a record that verifies."""
+    pos = start + 8
+    chunk = 4 << 20
+    while pos + RECORD_HEADER_SIZE <= file_size:
+        f.seek(pos)
+        buf = f.read(min(chunk, file_size - pos))
+        mv = memoryview(buf)
+        magic = struct.pack("<I", RECORD_MAGIC)
+        i = 0
+        while True:
+            j = buf.find(magic, i)
+            if j < 0 or j + RECORD_HEADER_SIZE > len(buf):
+                break
+            if (pos + j) % 8 == 0:
+                hdr = decode_header(mv[j:j + RECORD_HEADER_SIZE])
+                if hdr is not None and hdr[1] <= MAX_PAYLOAD:
+                    need = RECORD_HEADER_SIZE + hdr[1]
+                    if pos + j + need <= file_size:
+                        f.seek(pos + j)
+                        whole = f.read(need)
+                        if verify_record(whole):
+                            return pos + j
+            i = j + 1
+        pos += max(len(buf) - RECORD_HEADER_SIZE, 8)
+        pos = pad8(pos)
+    return None
+
+
+def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = False,
+                 read_payload_types: frozenset[int] = frozenset(
+                     {RecType.CREATE, RecType.UNLINK, RecType.RENAME, RecType.SETATTR,
+                      RecType.PURGE, RecType.XATTR}),
+                 result: ScanResult | None = None) -> Iterator[Record]:
+    """Yield verified records from `start`. Data payloads are checksummed but not returned
+    (payload is b"") unless their type is in read_payload_types.
+
+    Corruption is collected in result.corruption (and the scan resumes at the next valid
+    record); a torn tail of the newest segment ends the scan quietly (result.torn_tail).
+    """
+    res = result if result is not None else ScanResult()
+    res.corruption = res.corruption or []
+    size = os.path.getsize(path)
+    with open(path, "rb", buffering=0) as f:
+        pos = start
+        res.end = pos
+        while pos < size:
+            f.seek(pos)
+            head = f.read(RECORD_HEADER_SIZE)
+            bad: str | None = None
+            hdr = decode_header(head) if len(head) == RECORD_HEADER_SIZE else None
+            if len(head) < RECORD_HEADER_SIZE:
+                bad = "short record header"
+            elif hdr is None:
+                bad = "bad record magic"
+            elif hdr[1] > MAX_PAYLOAD or pos + RECORD_HEADER_SIZE + hdr[1] > size:
+                bad = "record runs past end of segment"
+            if bad is None and hdr is not None:
+                rtype, length, ino, offset, time_ns, seq, csum = hdr
+                h = xxhash.xxh3_64(head[:RECORD_HEADER.size])
+                payload = f.read(length)
+                h.update(payload)
+                if len(payload) != length or h.intdigest() != csum:
+                    bad = "checksum mismatch"
+                else:
+                    res.records += 1
+                    rec = Record(rtype, ino, offset, time_ns, seq,
+                                 payload if rtype in read_payload_types else b"", pos, length,
+                                 csum)
+                    nxt = pos + record_size(length)
+                    res.end = nxt
+                    yield rec
+                    if rtype == RecType.SEAL:
+                        res.sealed = True
+                        return
+                    pos = nxt
+                    continue
+            # A bad record: torn tail or corruption?
+            nxt_valid = _find_next_valid(f, pos, size, path)
+            if nxt_valid is None:
+                # only zeros/garbage after it
+                if newest:
+                    res.torn_tail = True
+                    return
+                res.corruption.append(CorruptRecord(path, pos, bad or "invalid record"))
+                return
+            res.corruption.append(CorruptRecord(path, pos, bad or "invalid record"))
+            pos = nxt_valid
+
+
+def seal_table(rows: list[tuple[int, int, int, int, int, int, int]]) -> bytes:
+    """rows: (pos, type, length, ino, offset, seq, csum)."""
+    return b"".join(SEAL_ROW.pack(*r) for r in rows)
+
+
+def parse_seal_table(p: bytes | memoryview) -> list[tuple[int, int, int, int, int, int, int]]:
+    n = len(p) // SEAL_ROW.size
+    return [SEAL_ROW.unpack_from(p, i * SEAL_ROW.size) for i in range(n)]
+
+
+def footer(seal_pos: int, nrecords: int) -> bytes:
+    head = struct.pack("<8sQQ", FOOTER_MAGIC, seal_pos, nrecords)
+    return head + CSUM.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def parse_footer(buf: bytes) -> tuple[int, int] | None:
+    if len(buf) != FOOTER_SIZE:
+        return None
+    magic, seal_pos, n, csum = FOOTER.unpack(buf)
+    if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(buf[:24]) != csum:
+        return None
+    return seal_pos, n

@@ -1,0 +1,173 @@
+"""The mount harness itself, including its failure path: a cleanup path nobody runs rots."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mounting import (
+    FSTYPE,
+    Mount,
+    fuse_mounts_under,
+    is_mounted,
+    lazy_unmount_all_under,
+    mount_entry,
+    pid_alive,
+    listdir_errno,
+    pids_with_arg,
+)
+
+HERE = Path(__file__).parent
+
+
+def test_mount_is_up_and_unmounts_cleanly(tmp_path: Path) -> None:
+    m = Mount(tmp_path / "m")
+    with m:
+        m.start()
+        row = mount_entry(m.mnt)
+        assert row is not None and row[2] == FSTYPE, row
+        assert row[0] == "ckptfs", f"fsname should be ckptfs, /proc/mounts says {row}"
+        assert os.stat(m.mnt).st_dev != os.stat(m.root).st_dev
+        (m.mnt / "hello").write_bytes(b"world")
+        m.unmount()  # asserts exit status 0 and that the mount is gone
+        assert not (m.mnt / "hello").exists()
+        m.start()
+        assert (m.mnt / "hello").read_bytes() == b"world"
+        m.unmount()
+    assert fuse_mounts_under(tmp_path) == []
+
+
+def test_teardown_cleans_stale_mount_after_sigkill(tmp_path: Path) -> None:
+    m = Mount(tmp_path / "m")
+    try:
+        m.start()
+        pid = m.proc.pid  # type: ignore[union-attr]
+        m.kill()
+        assert is_mounted(m.mnt), "a SIGKILLed daemon should leave its mount behind"
+        assert listdir_errno(m.mnt) == errno.ENOTCONN
+    finally:
+        problems = m.teardown()
+    assert problems == []  # killed on purpose: a stale mount is expected, not a problem
+    assert not is_mounted(m.mnt, None)
+    assert fuse_mounts_under(tmp_path) == []
+    assert not pid_alive(pid)
+
+
+def test_teardown_reports_a_daemon_that_died_by_itself(tmp_path: Path) -> None:
+    m = Mount(tmp_path / "m")
+    m.start()
+    os.kill(m.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]  # behind the helper's back
+    m.proc.wait(30)  # type: ignore[union-attr]
+    problems = m.teardown()
+    assert any("died" in p for p in problems), problems
+    assert fuse_mounts_under(tmp_path) == []
+
+
+def test_teardown_of_busy_mount_falls_back_to_lazy_unmount_and_kill(tmp_path: Path) -> None:
+    m = Mount(tmp_path / "m")
+    m.start()
+    pid = m.proc.pid  # type: ignore[union-attr]
+    fd = os.open(m.mnt / "held-open", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        problems = m.teardown()
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # the daemon behind this fd is gone
+    assert any("fusermount3 -u failed" in p for p in problems), problems
+    assert not is_mounted(m.mnt, None)
+    assert not pid_alive(pid)
+    assert fuse_mounts_under(tmp_path) == []
+
+
+def test_lazy_unmount_all_under_releases_dead_mounts(tmp_path: Path) -> None:
+    # What the session finalizer relies on.
+    a, b = Mount(tmp_path / "a"), Mount(tmp_path / "b")
+    try:
+        a.start()
+        b.start()
+        a.kill()
+        b.kill()
+        assert sorted(fuse_mounts_under(tmp_path)) == sorted([str(a.mnt), str(b.mnt)])
+        assert sorted(lazy_unmount_all_under(tmp_path)) == sorted([str(a.mnt), str(b.mnt)])
+        assert fuse_mounts_under(tmp_path) == []
+    finally:
+        a.teardown()
+        b.teardown()
+
+
+@pytest.mark.timeout(180)
+def test_fixture_teardown_in_a_failing_pytest_run(tmp_path: Path) -> None:
+    """Run the real fixtures in an inner pytest whose tests fail or misbehave on purpose, and
+    check the outer view: the right outcomes, no mount and no daemon left behind."""
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    shutil.copy(HERE / "conftest.py", inner / "conftest.py")
+    shutil.copy(HERE / "mounting.py", inner / "mounting.py")
+    (inner / "test_inner.py").write_text(
+        textwrap.dedent(
+            """
+            import errno, os
+
+            def test_killed_then_fails(mount):
+                (mount.mnt / "f").write_bytes(b"x")
+                mount.kill()
+                try:
+                    os.listdir(mount.mnt)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOTCONN
+                assert False, "deliberate failure after SIGKILL"
+
+            def test_daemon_crashes_under_a_passing_test(mount):
+                os.kill(mount.proc.pid, 9)  # not via mount.kill(): looks like a crash
+                mount.proc.wait()
+
+            def test_passes_but_leaves_fd_open(mount):
+                global LEAK
+                LEAK = os.open(mount.mnt / "g", os.O_CREAT | os.O_RDWR, 0o644)
+
+            def test_fails_with_fd_open(mount):
+                fd = os.open(mount.mnt / "h", os.O_CREAT | os.O_RDWR, 0o644)
+                assert False, "deliberate failure with a busy mount"
+
+            def test_clean(mount):
+                (mount.mnt / "ok").write_bytes(b"ok")
+            """
+        )
+    )
+    (inner / "pytest.ini").write_text("[pytest]\n")
+    basetemp = tmp_path / "bt"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q",
+         f"--basetemp={basetemp}", str(inner)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=inner,
+    )
+    out = res.stdout + res.stderr
+    try:
+        assert "1 passed" in out, out
+        # Two deliberate failures, and two passing tests whose teardown needed the failure path.
+        assert "2 failed" in out, out
+        assert "2 errors" in out, out
+        assert "daemon that died" in out, out
+        assert "fusermount3 -u failed" in out, out
+        assert res.returncode == 1, out
+    finally:
+        leaked = fuse_mounts_under(tmp_path)
+        lazy_unmount_all_under(tmp_path)
+        survivors = [p for p in pids_with_arg(str(basetemp)) if pid_alive(p)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+    assert leaked == [], f"inner run leaked mounts: {leaked}"
+    assert survivors == [], f"inner run leaked daemons: {survivors}"
