@@ -5,3 +5,7 @@ extents, and sealed segments drain to a shared store as a few big immutable obje
 """
 
 __version__ = "0.1.0"
+
+from ckptfs.api import CkptfsError, status, wait  # noqa: E402
+
+__all__ = ["wait", "status", "CkptfsError", "__version__"]

@@ -289,6 +289,90 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_wait(a: argparse.Namespace) -> int:
+    from ckptfs import api
+
+    if not os.path.exists(a.path):
+        raise CliError(f"{a.path}: no such file or directory")
+    try:
+        with _progress(f"waiting for {a.path}") as update:
+            seq = api.wait(a.path, timeout=a.timeout, on_progress=update)
+    except TimeoutError as e:
+        raise CliError(f"{a.path}: {e}") from None
+    except api.CkptfsError as e:
+        raise CliError(str(e)) from None
+    if not a.quiet:
+        print(f"{a.path}: published (log sequence {seq})")
+    return 0
+
+
+def _open_store(path: str) -> Any:
+    from ckptfs.export import check_store
+    from ckptfs.shared import SharedError
+
+    try:
+        return check_store(os.path.abspath(path))
+    except SharedError as e:
+        raise CliError(str(e)) from None
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    from ckptfs.export import ExportError, merged_view, select
+
+    store = _open_store(a.shared)
+    try:
+        view = merged_view(store)
+    except ExportError as e:
+        raise CliError(str(e)) from None
+    for err in view.errors:
+        print(f"ckptfs: warning: {err}", file=sys.stderr)
+    rows = list(select(view, a.path or ""))
+    if a.path and not rows:
+        raise CliError(f"nothing published under {a.path!r}")
+    if a.json:
+        print(json.dumps([{"path": e.path, "type": e.type, "size": e.size, "node": node,
+                           "mtime_ns": e.mtime_ns} for _r, node, e in rows], indent=1))
+        return 0
+    for _rel, node, e in rows:
+        kind = {"d": "dir ", "f": "file", "l": "link"}[e.type]
+        size = f"{e.size:>14,}" if e.type == "f" else " " * 14
+        print(f"{kind} {size}  {node:<12} {e.path}" + (f" -> {e.target}" if e.target else ""))
+    return 0
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from ckptfs.export import ExportError, export
+
+    store = _open_store(a.shared)
+    try:
+        with _progress(f"exporting {a.path}") as update:
+            files, nbytes = export(store, a.path, a.dest,
+                                   progress=lambda d, t: update({"done": d, "total": t}))
+    except ExportError as e:
+        raise CliError(str(e)) from None
+    print(f"exported {files} files ({nbytes:,} bytes) to {a.dest}")
+    return 0
+
+
+def cmd_fsck(a: argparse.Namespace) -> int:
+    from ckptfs.fsck import fsck
+
+    store = _open_store(a.shared)
+    rep = fsck(store, deep=a.deep)
+    if a.json:
+        print(json.dumps(rep.as_dict(), indent=2))
+    else:
+        print(f"{rep.nodes} nodes, {rep.manifests} manifests, {rep.files} files, "
+              f"{rep.objects} objects" + (f", {rep.bytes_verified:,} bytes verified"
+                                          if a.deep else ""))
+        if rep.unreferenced:
+            print(f"{len(rep.unreferenced)} objects referenced by no manifest")
+        for p in rep.problems:
+            print(f"PROBLEM: {p}")
+        print("ok" if not rep.problems else f"{len(rep.problems)} problems")
+    return 1 if rep.problems else 0
+
+
 # --- the parser -------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,6 +431,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--refresh", action="store_true",
                    help="re-read other nodes' manifests from the shared store first")
     s.set_defaults(func=cmd_status)
+
+    w = sub.add_parser("wait", help="block until PATH is published on the shared store")
+    w.add_argument("path", metavar="PATH", help="a file or directory inside a ckptfs mount")
+    w.add_argument("--timeout", type=positive_float, help="give up after this many seconds")
+    w.add_argument("--quiet", "-q", action="store_true")
+    w.set_defaults(func=cmd_wait)
+
+    ls = sub.add_parser("ls", help="what is published on SHARED (no mount needed)")
+    ls.add_argument("shared", metavar="SHARED")
+    ls.add_argument("path", metavar="PATH", nargs="?", default="")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    e = sub.add_parser("export", help="copy published files out as plain files (no mount, "
+                                      "no local state needed)")
+    e.add_argument("shared", metavar="SHARED")
+    e.add_argument("path", metavar="PATH", help="published path, e.g. step_1000")
+    e.add_argument("dest", metavar="DEST", help="directory to write into")
+    e.set_defaults(func=cmd_export)
+
+    f = sub.add_parser("fsck", help="verify published manifests and objects")
+    f.add_argument("shared", metavar="SHARED")
+    f.add_argument("--deep", action="store_true", help="verify every record's checksum")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_fsck)
     return p
 
 

@@ -17,7 +17,10 @@ import trio
 from ckptfs import control, layout
 from ckptfs.errors import CliError
 from ckptfs.fs import Operations
-from ckptfs.index import Index
+from ckptfs.drain import Drain
+from ckptfs.index import Index, SegState
+from ckptfs.remote import Refresher, fetch_manifests
+from ckptfs.shared import SharedError, SharedStore, check_node_id
 from ckptfs.log import SegmentLog
 from ckptfs.namespace import Namespace
 from ckptfs.reads import Reader
@@ -39,6 +42,7 @@ class MountConfig:
     upload_streams: int = 2
     upload_limit: float = 0.0  # MB/s, 0 = unlimited
     metrics_port: int = 0
+    refresh_interval: float = 5.0
 
 
 class NvmeLock:
@@ -70,12 +74,12 @@ class NvmeLock:
             self.fd = -1
 
 
-def open_state(nvme: str, node_id: str, segment_size: int,
-               full_replay: bool = False) -> tuple[Index, SegmentLog, object]:
+def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = False,
+               store: SharedStore | None = None) -> tuple[Index, SegmentLog, object]:
     """Open the index and the log and bring the index up to the end of the log."""
     index = Index(os.path.join(nvme, layout.INDEX_DIR))
     seglog = SegmentLog(os.path.join(nvme, layout.SEGMENT_DIR), node_id, segment_size)
-    rep = replay(index, seglog, full=full_replay)
+    rep = replay(index, seglog, full=full_replay, store=store, node=node_id)
     return index, seglog, rep
 
 
@@ -96,22 +100,51 @@ class Daemon:
         if not os.path.exists("/dev/fuse"):
             raise CliError("/dev/fuse is missing: load the fuse module or run the container "
                            "with --device /dev/fuse")
+        try:
+            check_node_id(cfg.node_id)
+        except SharedError as e:
+            raise CliError(str(e)) from None
         self.lock.acquire()
         layout.init_shared(cfg.shared)
-        self.index, self.seglog, self.replay_report = open_state(cfg.nvme, cfg.node_id,
-                                                                 cfg.segment_size)
+        self.store = SharedStore(cfg.shared)
+        self.index, self.seglog, self.replay_report = open_state(
+            cfg.nvme, cfg.node_id, cfg.segment_size, store=self.store)
         rep = self.replay_report
         if rep.records or rep.corruption:
             log.info("replayed %d records from %d segments in %.2fs%s", rep.records,
                      rep.segments_replayed, rep.seconds,
                      f"; {len(rep.corruption)} corrupt records" if rep.corruption else "")
-        self.reader = Reader(self.seglog.path)
+        # a node whose NVMe was lost keeps numbering after what it already published, so its
+        # object names and manifest sequence numbers never collide with the old ones
+        try:
+            objs = self.store.list_objects(cfg.node_id)
+            mans = self.store.list_manifests(cfg.node_id)
+        except OSError as e:
+            log.warning("shared store not readable at mount (%s); continuing on NVMe", e)
+            objs, mans = [], []
+        self.seglog.id_floor = max(objs, default=0)
+        self.seglog.seq = max(self.seglog.seq, max(mans, default=0))
+        self.reader = Reader(self.seglog.path, cfg.node_id, self.store)
+        for seg, (state, _size, _d, _t) in self.index.iter_segments():
+            if state == SegState.EVICTED:
+                self.reader.evicted.add(seg)
         self.ns = Namespace(self.index, self.seglog, self.reader)
         st = os.stat(cfg.mountpoint)
         self.index.ensure_root(st.st_uid, st.st_gid, 0o755, time.time_ns())
         n = self.ns.purge_orphans()
         if n:
             log.info("purged %d orphaned inodes (unlinked while open before a crash)", n)
+        self.drain = Drain(cfg.nvme, cfg.node_id, self.index, self.store, self.seglog.path,
+                           self.commit_index, cfg.upload_streams, cfg.upload_limit)
+        self.seglog.on_seal = lambda seg, size, reason: self.drain.enqueue(seg)
+        self.refresher = Refresher(self.ns, self.store, cfg.node_id,
+                                   own_seq_floor=self.drain.published_seq,
+                                   interval=cfg.refresh_interval)
+        try:
+            found = fetch_manifests(self.store, {})
+            self.refresher.apply_all(found)
+        except OSError as e:
+            log.warning("cannot read manifests from the shared store at mount: %s", e)
         self.index.commit()
         self.control_path = os.path.join(cfg.nvme, layout.CONTROL_SOCKET)
 
@@ -136,6 +169,8 @@ class Daemon:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            await nursery.start(self.drain.run)
+            nursery.start_soon(self.refresher.run)
             nursery.start_soon(self._commit_loop)
             nursery.start_soon(self._idle_seal_loop)
             nursery.start_soon(self._signals)
@@ -198,12 +233,42 @@ class Daemon:
     async def handle_request(self, req: dict, progress) -> dict:
         op = req.get("op")
         if op == "status":
+            if req.get("refresh"):
+                await self.refresher.refresh()
             return {"status": self.status()}
         if op == "sync":
             self.ns.seal("wait")
             await self.commit_index()
             return {}
+        if op in ("wait", "drain"):
+            timeout = req.get("timeout")
+            rel = req.get("path", "")
+            if rel:
+                self._resolve(rel)
+            target = self.seglog.seq
+            if self.seglog.has_records():
+                self.ns.seal("wait")
+            if target > self.drain.manifest_seq:
+                await self.drain.wait_seq(target, timeout, progress)
+            return {"published_seq": self.drain.manifest_seq}
+        if op == "refresh":
+            n = await self.refresher.refresh()
+            return {"changes": n}
         raise ValueError(f"unknown control request {op!r}")
+
+    def _resolve(self, rel: str) -> int:
+        """The inode at a path relative to the mount root (ENOENT -> ValueError)."""
+        from ckptfs.index import ROOT_INO
+
+        ino = ROOT_INO
+        for comp in rel.split("/"):
+            if comp in ("", "."):
+                continue
+            child = self.index.lookup(ino, os.fsencode(comp))
+            if child is None:
+                raise ValueError(f"{rel}: no such file or directory in the mount")
+            ino = child
+        return ino
 
     def status(self) -> dict:
         import shutil
@@ -229,6 +294,18 @@ class Daemon:
             if self.seglog.fd >= 0 else 0,
             "local_bytes_used": local_bytes, "local_bytes_free": du.free,
             "ops": dict(self.ns.ops.counts),
+            "bytes_uploaded": self.drain.stats.bytes_uploaded,
+            "bytes_pending_upload": sum(size for _s, size in self.drain.pending())
+            + (self.seglog.tail if self.seglog.fd >= 0 else 0)
+            - sum(self.drain.in_flight.values()),
+            "upload_rate_bytes_s": round(self.drain.stats.rate()),
+            "segments_uploaded": self.drain.stats.segments_uploaded,
+            "manifests_published": self.drain.stats.manifests_published,
+            "published_seq": self.drain.manifest_seq, "log_seq": self.seglog.seq,
+            "shared_ops": dict(self.store.ops),
+            "shared_bytes_read": self.store.bytes_read,
+            "last_error": self.drain.stats.last_error,
+            "remote": self.refresher.status(),
             "corrupt_reads": self.reader.corrupt_reads,
             "replay": self.replay_report.as_dict(),
         }
@@ -240,7 +317,9 @@ class Daemon:
             log.error("sealing at shutdown failed: %s", e)
         self.seglog.close()
         self.index.close(commit=True)
+        self.drain.close()
         self.reader.close()
+        self.store.close()
         try:
             os.unlink(self.control_path)
         except FileNotFoundError:

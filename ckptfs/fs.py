@@ -14,6 +14,7 @@ import stat
 from typing import Any, Callable
 
 import pyfuse3
+import trio
 
 from ckptfs.errors import FsError, to_errno
 from ckptfs.index import Inode
@@ -77,6 +78,7 @@ class Operations(pyfuse3.Operations):
         self.statfs_path = statfs_path
         self.control = control
         self.on_fsync = on_fsync
+        self.remote_limiter = trio.CapacityLimiter(8)
 
     # --- lookups --------------------------------------------------------------------------
 
@@ -169,7 +171,11 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return self.ns.read(fh, off, size)
+        exts, fsize, local = self.ns.read_plan(fh, off, size)
+        if local:  # page-cache speed: a thread hop would cost more than it saves
+            return self.ns.reader.read(exts, off, size, fsize)
+        return await trio.to_thread.run_sync(self.ns.reader.read, exts, off, size, fsize,
+                                             limiter=self.remote_limiter)
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -16,6 +16,11 @@ Databases (keys big-endian so that LMDB's byte order is numeric order):
     extents    ino u64 + file offset u64 -> EXTENT struct
     segments   seg u64 -> SEGMENT struct (state, size, dead bytes)
     xattrs     ino u64 + name -> value
+    objrefs    vseg u64 -> b"node/segment-id-hex" (published objects that imported files use;
+               vseg ids have the top bit set so they never collide with local segment ids)
+    objids     b"node/segment-id-hex" -> vseg u64
+    origins    ino u64 -> JSON {"node", "mtime_ns", "size"}: the file was imported from that
+               node's manifest and not modified here since
 
 LMDB runs with metasync off: a power loss can undo the last index commit but never breaks the
 index, and the log replay redoes what it undid.
@@ -23,6 +28,7 @@ index, and the log replay redoes what it undid.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import struct
@@ -46,6 +52,7 @@ SEGMENT = struct.Struct("<B7xQQq")
 APPLIED = struct.Struct("<QQQ")
 
 ROOT_INO = 1
+VSEG_BIT = 1 << 63
 
 
 class SegState:
@@ -116,7 +123,7 @@ class Index:
 
     def __init__(self, path: str, map_size: int = 1 << 36):
         os.makedirs(path, exist_ok=True)
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=8, metasync=False, sync=True,
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=12, metasync=False, sync=True,
                              writemap=False, readahead=False, lock=True)
         self.meta = self.env.open_db(b"meta")
         self.inodes = self.env.open_db(b"inodes")
@@ -125,6 +132,9 @@ class Index:
         self.extents = self.env.open_db(b"extents")
         self.segments = self.env.open_db(b"segments")
         self.xattrs = self.env.open_db(b"xattrs")
+        self.objrefs = self.env.open_db(b"objrefs")
+        self.objids = self.env.open_db(b"objids")
+        self.origins = self.env.open_db(b"origins")
         self.txn = self.env.begin(write=True)
         self.dirty = 0
         raw = self.txn.get(b"applied", db=self.meta)
@@ -154,7 +164,7 @@ class Index:
     def wipe(self) -> None:
         """Forget everything (replay from the start of the log rebuilds it)."""
         for db in (self.meta, self.inodes, self.dirents, self.cookies, self.extents,
-                   self.segments, self.xattrs):
+                   self.segments, self.xattrs, self.objrefs, self.objids, self.origins):
             self.txn.drop(db, delete=False)
         self.applied = (0, 0, 0)
         self.next_ino = ROOT_INO + 1
@@ -337,6 +347,8 @@ class Index:
             self._apply_setattr(rec)
         elif t == RecType.PURGE:
             self.purge(rec.ino)
+        elif t == RecType.IMPORT:
+            self._apply_import(rec)
         elif t == RecType.XATTR:
             name, value = fmt.parse_xattr(rec.payload)
             key = k_ino(rec.ino) + name
@@ -353,6 +365,7 @@ class Index:
         if ino is None:  # written after unlink, then purged: the data is dead
             self._dead[seg] = self._dead.get(seg, 0) + rec.length
             return
+        self._clear_origin(rec.ino)  # modified here: the file is this node's now
         off, n = rec.offset, rec.length
         if n:
             self._punch(rec.ino, off, off + n)
@@ -361,6 +374,48 @@ class Index:
                 ino.size = off + n
         ino.mtime_ns = ino.ctime_ns = rec.time_ns
         self.put_inode(ino)
+
+    def _apply_import(self, rec: Record) -> None:
+        ino = self.get_inode(rec.ino)
+        if ino is None:
+            return
+        body = json.loads(bytes(rec.payload))
+        self._drop_extents(rec.ino)
+        for off, length, obj, pos, skip, rec_len in body["extents"]:
+            self._put_ext(rec.ino, Extent(off, self.objref_id(obj), pos, skip, length, rec_len))
+        ino.size = body["size"]
+        ino.mtime_ns = body["mtime_ns"]
+        ino.ctime_ns = rec.time_ns
+        self.put_inode(ino)
+        origin = {"node": body["origin"], "mtime_ns": body["mtime_ns"], "size": body["size"]}
+        self.txn.put(k_ino(rec.ino), json.dumps(origin).encode(), db=self.origins)
+
+    def objref_id(self, obj: str) -> int:
+        """The vseg id standing for published object "node/segid" (allocated on first use)."""
+        key = obj.encode()
+        raw = self.txn.get(key, db=self.objids)
+        if raw is not None:
+            return U64.unpack(raw)[0]
+        raw = self.txn.get(b"next_objref", db=self.meta)
+        vseg = U64.unpack(raw)[0] if raw else VSEG_BIT
+        self.txn.put(b"next_objref", U64.pack(vseg + 1), db=self.meta)
+        self.txn.put(key, U64.pack(vseg), db=self.objids)
+        self.txn.put(U64.pack(vseg), key, db=self.objrefs)
+        return vseg
+
+    def objref(self, vseg: int) -> tuple[str, int] | None:
+        raw = self.txn.get(U64.pack(vseg), db=self.objrefs)
+        if raw is None:
+            return None
+        node, seg = bytes(raw).decode().rsplit("/", 1)
+        return node, int(seg, 16)
+
+    def origin(self, ino: int) -> dict | None:
+        raw = self.txn.get(k_ino(ino), db=self.origins)
+        return json.loads(bytes(raw)) if raw is not None else None
+
+    def _clear_origin(self, ino: int) -> None:
+        self.txn.delete(k_ino(ino), db=self.origins)
 
     def _touch_dir(self, ino: int, now: int, nlink_delta: int = 0) -> None:
         d = self.get_inode(ino)
@@ -452,6 +507,7 @@ class Index:
         if mask & fmt.SET_GID:
             ino.gid = gid
         if mask & fmt.SET_SIZE:
+            self._clear_origin(rec.ino)
             if size < ino.size:
                 self._punch(rec.ino, size, max(ino.size, size) + (1 << 62))
             ino.size = size
@@ -465,6 +521,7 @@ class Index:
     def purge(self, ino: int) -> None:
         """Drop an inode nobody can reach any more, with its data and xattrs."""
         self._drop_extents(ino)
+        self._clear_origin(ino)
         self.txn.delete(k_ino(ino), db=self.inodes)
         for name in self.list_xattrs(ino):
             self.txn.delete(k_ino(ino) + name, db=self.xattrs)

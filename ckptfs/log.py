@@ -43,6 +43,7 @@ class SegmentLog:
         self.fd = -1
         self.tail = 0
         self.seq = 0
+        self.id_floor = 0  # segment ids at or below this are taken (on the shared store)
         self.rows = bytearray()  # SEAL table rows of the active segment
         self.last_append = 0.0
         self.stats = LogStats()
@@ -70,7 +71,7 @@ class SegmentLog:
 
     def _open_new(self) -> None:
         ids = self.existing()
-        self.seg_id = max([self.seg_id, *ids]) + 1
+        self.seg_id = max([self.seg_id, self.id_floor, *ids]) + 1
         path = self.path(self.seg_id)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         os.pwrite(self.fd, fmt.segment_header(self.seg_id, self.node_id, time.time_ns()), 0)
@@ -107,14 +108,15 @@ class SegmentLog:
             raise OSError(28, "short write to the log")
         self.tail = pos + size
         csum = fmt.CSUM.unpack_from(parts[0], fmt.RECORD_HEADER.size)[0]
-        self.rows += fmt.SEAL_ROW.pack(pos, rtype, len(payload), ino, offset, self.seq, csum)
+        rec = Record(rtype, ino, offset, now, self.seq, payload, pos, len(payload), csum)
+        if rtype != RecType.SEAL:
+            self.rows += fmt.seal_row(rec)
         self.last_append = time.monotonic()
         st = self.stats
         st.records += 1
         st.bytes_appended += size
         if rtype == RecType.WRITE:
             st.data_bytes += len(payload)
-        rec = Record(rtype, ino, offset, now, self.seq, payload, pos, len(payload), csum)
         return self.seg_id, rec
 
     def should_seal(self) -> bool:

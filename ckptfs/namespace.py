@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ckptfs import segment as fmt
 from ckptfs.errors import FsError
-from ckptfs.index import ROOT_INO, Index, Inode, SegState
+from ckptfs.index import ROOT_INO, VSEG_BIT, Extent, Index, Inode, SegState
 from ckptfs.log import SegmentLog
 from ckptfs.reads import Reader
 from ckptfs.segment import RecType
@@ -56,8 +56,9 @@ class Namespace:
 
     # --- plumbing -------------------------------------------------------------------------
 
-    def _record(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview = b"",
-                time_ns: int | None = None) -> None:
+    def record(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview = b"",
+               time_ns: int | None = None) -> None:
+        """Append a record and apply it: the one way anything changes."""
         seg, rec = self.log.append(rtype, ino, offset, payload, time_ns)
         if self.index.get_segment(seg) is None:
             self.index.set_segment(seg, SegState.ACTIVE)
@@ -120,33 +121,36 @@ class Namespace:
             return
         node = self.index.get_inode(ino)
         if node is not None and node.nlink == 0:
-            self._record(RecType.PURGE, ino, 0)
+            self.record(RecType.PURGE, ino, 0)
 
     def purge_orphans(self) -> int:
         """At mount: inodes unlinked while open before a crash are dead now."""
         dead = self.index.orphans()
         for ino in dead:
-            self._record(RecType.PURGE, ino, 0)
+            self.record(RecType.PURGE, ino, 0)
         return len(dead)
 
     # --- namespace operations -------------------------------------------------------------
 
-    def _new_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
-                  target: bytes = b"") -> Inode:
+    def make_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
+                  target: bytes = b"", kernel: bool = False) -> Inode:
+        """Create an inode and its entry; kernel=True when the reply hands it to the kernel."""
         check_name(name)
         self._dir(parent)
         if self.index.lookup(parent, name) is not None:
             raise FsError(errno.EEXIST)
         ino = self.index.next_ino
         self.index.next_ino += 1
-        self._record(RecType.CREATE, ino, 0, fmt.create_body(parent, mode, uid, gid, rdev, name,
+        self.record(RecType.CREATE, ino, 0, fmt.create_body(parent, mode, uid, gid, rdev, name,
                                                               target))
-        self.lookups[ino] = self.lookups.get(ino, 0) + 1
+        if kernel:
+            self.lookups[ino] = self.lookups.get(ino, 0) + 1
         return self.inode(ino)
 
     def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         self.ops.bump("create")
-        node = self._new_node(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+        node = self.make_node(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid,
+                              kernel=True)
         self.opens[node.ino] = self.opens.get(node.ino, 0) + 1
         return node
 
@@ -155,7 +159,7 @@ class Namespace:
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
                 or stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             raise FsError(errno.EINVAL)
-        return self._new_node(parent, name, mode, uid, gid, rdev)
+        return self.make_node(parent, name, mode, uid, gid, rdev, kernel=True)
 
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         self.ops.bump("mkdir")
@@ -164,13 +168,15 @@ class Namespace:
         if pnode.mode & stat.S_ISGID:
             gid = pnode.gid
             mode |= stat.S_ISGID
-        return self._new_node(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
+        return self.make_node(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid,
+                              kernel=True)
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
         self.ops.bump("symlink")
         if len(target) > 4095:
             raise FsError(errno.ENAMETOOLONG)
-        return self._new_node(parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+        return self.make_node(parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target,
+                              kernel=True)
 
     def readlink(self, ino: int) -> bytes:
         node = self.inode(ino)
@@ -194,7 +200,7 @@ class Namespace:
                 raise FsError(errno.ENOTEMPTY)
         elif node.is_dir:
             raise FsError(errno.EISDIR)
-        self._record(RecType.UNLINK, parent, 0, name)
+        self.record(RecType.UNLINK, parent, 0, name)
         self._maybe_purge(child)
 
     def rename(self, op: int, old: bytes, np_: int, new: bytes, flags: int) -> None:
@@ -222,7 +228,7 @@ class Namespace:
                 raise FsError(errno.ENOTEMPTY)
         if dst == src:
             return
-        self._record(RecType.RENAME, 0, 0, fmt.rename_body(op, old, np_, new, flags))
+        self.record(RecType.RENAME, 0, 0, fmt.rename_body(op, old, np_, new, flags))
         if dst is not None and not flags & 2:
             self._maybe_purge(dst)
 
@@ -253,7 +259,7 @@ class Namespace:
         if mtime_ns is not None:
             mask |= fmt.SET_MTIME
         if mask:
-            self._record(RecType.SETATTR, ino, 0, fmt.setattr_body(
+            self.record(RecType.SETATTR, ino, 0, fmt.setattr_body(
                 mask, mode or 0, uid or 0, gid or 0, size or 0, atime_ns or 0, mtime_ns or 0))
         return self.inode(ino)
 
@@ -279,16 +285,33 @@ class Namespace:
     def write(self, ino: int, off: int, data: bytes | memoryview) -> int:
         if off + len(data) > (1 << 62):
             raise FsError(errno.EFBIG)
-        self._record(RecType.WRITE, ino, off, data)
+        self.record(RecType.WRITE, ino, off, data)
         self.last_write_ns = time.time_ns()
         return len(data)
 
-    def read(self, ino: int, off: int, size: int) -> bytes:
+    def read_plan(self, ino: int, off: int, size: int) -> tuple[list[Extent], int, bool]:
+        """(extents, file size, all local?) for a read; resolves shared object names."""
         node = self.inode(ino)
         end = min(off + size, node.size)
         if off >= end:
-            return b""
-        return self.reader.read(self.index.extents_in(ino, off, end), off, size, node.size)
+            return [], node.size, True
+        exts = self.index.extents_in(ino, off, end)
+        local = True
+        for e in exts:
+            if not self.reader.is_local(e):
+                local = False
+                if e.seg & VSEG_BIT and e.seg not in self.reader.objrefs:
+                    ref = self.index.objref(e.seg)
+                    if ref is None:
+                        raise FsError(errno.EIO, f"extent of inode {ino} names an unknown "
+                                                 f"object")
+                    self.reader.objrefs[e.seg] = ref
+        return exts, node.size, local
+
+    def read(self, ino: int, off: int, size: int) -> bytes:
+        """Synchronous read (local or not): for tests and tools, not the FUSE loop."""
+        exts, fsize, _local = self.read_plan(ino, off, size)
+        return self.reader.read(exts, off, size, fsize)
 
     async def fsync(self) -> None:
         self.ops.bump("fsync")
@@ -312,9 +335,9 @@ class Namespace:
             raise FsError(errno.ERANGE)
         if len(value) > 65536:
             raise FsError(errno.E2BIG)
-        self._record(RecType.XATTR, ino, 0, fmt.xattr_body(name, value))
+        self.record(RecType.XATTR, ino, 0, fmt.xattr_body(name, value))
 
     def removexattr(self, ino: int, name: bytes) -> None:
         if self.index.get_xattr(ino, name) is None:
             raise FsError(errno.ENODATA)
-        self._record(RecType.XATTR, ino, 0, fmt.xattr_body(name, None))
+        self.record(RecType.XATTR, ino, 0, fmt.xattr_body(name, None))

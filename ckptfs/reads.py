@@ -10,12 +10,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from collections import OrderedDict
 from typing import Callable, Protocol
 
 from ckptfs import segment as fmt
 from ckptfs.errors import CorruptData, FsError
-from ckptfs.index import Extent
+from ckptfs.index import VSEG_BIT, Extent
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +26,26 @@ HDR = fmt.RECORD_HEADER_SIZE
 class RemoteSource(Protocol):
     """Where a segment that is not on local disk can be read from (the shared store)."""
 
-    def read_range(self, seg: int, offset: int, length: int) -> bytes: ...
+    def read_range(self, node: str, seg: int, offset: int, length: int) -> bytes: ...
 
 
 class Reader:
-    def __init__(self, seg_path: Callable[[int], str], remote: RemoteSource | None = None,
-                 max_fds: int = 128, max_verified: int = 1 << 17):
+    """Thread-safe: local reads run on the trio thread, shared-store reads on worker threads.
+
+    Extents name local segments by id, or published objects of any node by a vseg id (top
+    bit set) that `objrefs` maps to (node, segment id); the trio thread fills `objrefs` from
+    the index before a read needs it, so worker threads never touch the index.
+    """
+
+    def __init__(self, seg_path: Callable[[int], str], node: str = "",
+                 remote: RemoteSource | None = None, max_fds: int = 128,
+                 max_verified: int = 1 << 17):
         self.seg_path = seg_path
+        self.node = node
         self.remote = remote
+        self.objrefs: dict[int, tuple[str, int]] = {}
+        self.evicted: set[int] = set()  # local segment ids whose file is gone (published)
+        self._lock = threading.Lock()
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._verified: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.max_fds = max_fds
@@ -41,30 +54,39 @@ class Reader:
         self.remote_bytes = 0
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def forget(self, seg: int) -> None:
         """The local file of `seg` is going away (evicted)."""
-        fd = self._fds.pop(seg, None)
-        if fd is not None:
-            os.close(fd)
+        with self._lock:
+            self.evicted.add(seg)
+            fd = self._fds.pop(seg, None)
+            if fd is not None:
+                os.close(fd)
+
+    def is_local(self, e: Extent) -> bool:
+        return not e.seg & VSEG_BIT and e.seg not in self.evicted
 
     def _fd(self, seg: int) -> int | None:
-        fd = self._fds.get(seg)
-        if fd is not None:
-            self._fds.move_to_end(seg)
+        with self._lock:
+            fd = self._fds.get(seg)
+            if fd is not None:
+                self._fds.move_to_end(seg)
+                return fd
+            if seg & VSEG_BIT or seg in self.evicted:
+                return None
+            try:
+                fd = os.open(self.seg_path(seg), os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            self._fds[seg] = fd
+            if len(self._fds) > self.max_fds:
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
             return fd
-        try:
-            fd = os.open(self.seg_path(seg), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        self._fds[seg] = fd
-        if len(self._fds) > self.max_fds:
-            _, old = self._fds.popitem(last=False)
-            os.close(old)
-        return fd
 
     def _pread(self, seg: int, length: int, offset: int) -> bytes:
         fd = self._fd(seg)
@@ -72,27 +94,39 @@ class Reader:
             return os.pread(fd, length, offset)
         if self.remote is None:
             raise FsError(errno.EIO, f"segment {fmt.segment_name(seg)} is not on local disk")
-        data = self.remote.read_range(seg, offset, length)
+        node, sid = self.objrefs[seg] if seg & VSEG_BIT else (self.node, seg)
+        try:
+            data = self.remote.read_range(node, sid, offset, length)
+        except OSError as e:
+            log.error("reading %s/%s from the shared store failed: %s", node,
+                      fmt.segment_name(sid), e)
+            raise FsError(errno.EIO, str(e)) from None
         self.remote_bytes += len(data)
         return data
 
     def read_extent(self, e: Extent, rel: int, n: int) -> bytes:
         """n bytes starting `rel` bytes into extent e."""
         key = (e.seg, e.rec_pos)
-        if key in self._verified:
-            self._verified.move_to_end(key)
+        with self._lock:
+            known = key in self._verified
+            if known:
+                self._verified.move_to_end(key)
+        if known:
             data = self._pread(e.seg, n, e.rec_pos + HDR + e.skip + rel)
             if len(data) == n:
                 return data
         whole = self._pread(e.seg, HDR + e.rec_len, e.rec_pos)
         if not fmt.verify_record(whole):
             self.corrupt_reads += 1
-            where = f"segment {fmt.segment_name(e.seg)} record at offset {e.rec_pos}"
+            name = (f"{self.objrefs[e.seg][0]}/{fmt.segment_name(self.objrefs[e.seg][1])}"
+                    if e.seg & VSEG_BIT and e.seg in self.objrefs else fmt.segment_name(e.seg))
+            where = f"segment {name} record at offset {e.rec_pos}"
             log.error("checksum mismatch reading %s: returning EIO", where)
             raise CorruptData(where)
-        self._verified[key] = None
-        if len(self._verified) > self.max_verified:
-            self._verified.popitem(last=False)
+        with self._lock:
+            self._verified[key] = None
+            if len(self._verified) > self.max_verified:
+                self._verified.popitem(last=False)
         start = HDR + e.skip + rel
         return whole[start:start + n]
 

@@ -41,7 +41,8 @@ class ReplayReport:
         return dict(self.__dict__)
 
 
-def replay(index: Index, seglog: SegmentLog, full: bool = False) -> ReplayReport:
+def replay(index: Index, seglog: SegmentLog, full: bool = False, store: object = None,
+           node: str = "") -> ReplayReport:
     """Apply the log beyond the index's last commit (or all of it with full=True)."""
     t0 = time.monotonic()
     rep = ReplayReport(full=full)
@@ -86,15 +87,13 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False) -> ReplayReport
             for rec in fmt.scan_segment(path, fmt.SEGMENT_HEADER_SIZE, newest, result=pre):
                 if rec.pos >= start:
                     break
-                rows += fmt.SEAL_ROW.pack(rec.pos, rec.type, rec.length, rec.ino, rec.offset,
-                                          rec.seq, rec.csum)
+                rows += fmt.seal_row(rec)
         last_seq = a_seq
         if index.get_segment(seg) is None:
             index.set_segment(seg, SegState.ACTIVE)
         for rec in fmt.scan_segment(path, start, newest, result=scan):
             index.apply(seg, rec)
-            rows += fmt.SEAL_ROW.pack(rec.pos, rec.type, rec.length, rec.ino, rec.offset,
-                                      rec.seq, rec.csum)
+            rows += fmt.seal_row(rec)
             last_seq = rec.seq
         seglog.seq = max(seglog.seq, last_seq)
         rep.records += scan.records

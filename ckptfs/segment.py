@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import xxhash
 
@@ -55,9 +55,10 @@ class RecType:
     SEAL = 6  # payload = table of the segment's records
     PURGE = 7  # ino: an unlinked inode's last reference went away; its data is dead
     XATTR = 8  # ino; payload = name len u16 + name + value (value absent => remove)
+    IMPORT = 9  # ino; payload = JSON: a file's content as ranges of published objects
 
     NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
-             7: "PURGE", 8: "XATTR"}
+             7: "PURGE", 8: "XATTR", 9: "IMPORT"}
 
 
 # CREATE: parent u64, mode u32, uid u32, gid u32, rdev u32, name_len u16, target_len u16,
@@ -69,8 +70,8 @@ RENAME_BODY = struct.Struct("<QQIHH")
 SETATTR_BODY = struct.Struct("<IIIIQqqq")
 SET_MODE, SET_UID, SET_GID, SET_SIZE, SET_ATIME, SET_MTIME, SET_CTIME = (1, 2, 4, 8, 16, 32, 64)
 # One row of the SEAL table: record offset u64, type u8, pad, length u32, ino u64, file offset u64,
-# seq u64, csum u64.
-SEAL_ROW = struct.Struct("<QB3xIQQQQ")
+# time_ns i64, seq u64, csum u64.
+SEAL_ROW = struct.Struct("<QB3xIQQqQQ")
 
 
 class CorruptRecord(Exception):
@@ -267,7 +268,7 @@ def _find_next_valid(f: BinaryIO, start: int, file_size: int, path: str) -> int 
 def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = False,
                  read_payload_types: frozenset[int] = frozenset(
                      {RecType.CREATE, RecType.UNLINK, RecType.RENAME, RecType.SETATTR,
-                      RecType.PURGE, RecType.XATTR}),
+                      RecType.PURGE, RecType.XATTR, RecType.IMPORT}),
                  result: ScanResult | None = None) -> Iterator[Record]:
     """Yield verified records from `start`. Data payloads are checksummed but not returned
     (payload is b"") unless their type is in read_payload_types.
@@ -325,14 +326,73 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
             pos = nxt_valid
 
 
-def seal_table(rows: list[tuple[int, int, int, int, int, int, int]]) -> bytes:
-    """rows: (pos, type, length, ino, offset, seq, csum)."""
-    return b"".join(SEAL_ROW.pack(*r) for r in rows)
+def seal_row(rec: Record) -> bytes:
+    return SEAL_ROW.pack(rec.pos, rec.type, rec.length, rec.ino, rec.offset, rec.time_ns,
+                         rec.seq, rec.csum)
 
 
-def parse_seal_table(p: bytes | memoryview) -> list[tuple[int, int, int, int, int, int, int]]:
+def parse_seal_table(p: bytes | memoryview) -> list[tuple[int, int, int, int, int, int, int, int]]:
+    """rows: (pos, type, length, ino, offset, time_ns, seq, csum)."""
     n = len(p) // SEAL_ROW.size
     return [SEAL_ROW.unpack_from(p, i * SEAL_ROW.size) for i in range(n)]
+
+
+class SealedSegment:
+    """Random access to a sealed segment (local file or shared object) through its table.
+
+    `read(offset, length)` is the only I/O; it is a local pread or a shared-store range read.
+    """
+
+    def __init__(self, name: str, size: int, read: "Callable[[int, int], bytes]"):
+        self.name = name
+        self.size = size
+        self._read = read
+        if size < SEGMENT_HEADER_SIZE + RECORD_HEADER_SIZE + FOOTER_SIZE:
+            raise CorruptRecord(name, 0, "too small to be a sealed segment")
+        foot = parse_footer(read(size - FOOTER_SIZE, FOOTER_SIZE))
+        if foot is None:
+            raise CorruptRecord(name, size - FOOTER_SIZE, "missing or bad footer (not sealed)")
+        self.seal_pos, self.nrecords = foot
+        if self.seal_pos + RECORD_HEADER_SIZE > size - FOOTER_SIZE:
+            raise CorruptRecord(name, self.seal_pos, "footer points past the end")
+        self.seg_id, self.created_ns, self.node = parse_segment_header(
+            read(0, SEGMENT_HEADER_SIZE), name)
+        head = read(self.seal_pos, RECORD_HEADER_SIZE)
+        hdr = decode_header(head)
+        if hdr is None or hdr[0] != RecType.SEAL:
+            raise CorruptRecord(name, self.seal_pos, "footer does not point at a SEAL record")
+        length = hdr[1]
+        if self.seal_pos + RECORD_HEADER_SIZE + length > size - FOOTER_SIZE \
+                or length != self.nrecords * SEAL_ROW.size:
+            raise CorruptRecord(name, self.seal_pos, "SEAL record size mismatch")
+        whole = head + read(self.seal_pos + RECORD_HEADER_SIZE, length)
+        if not verify_record(whole):
+            raise CorruptRecord(name, self.seal_pos, "SEAL record checksum mismatch")
+        self.seal_seq = hdr[5]
+        self.rows = parse_seal_table(memoryview(whole)[RECORD_HEADER_SIZE:])
+        end = SEGMENT_HEADER_SIZE
+        for row in self.rows:
+            pos, _t, ln = row[0], row[1], row[2]
+            if pos < end or pos + record_size(ln) > self.seal_pos or ln > MAX_PAYLOAD:
+                raise CorruptRecord(name, pos, "record table entry out of range")
+            end = pos + record_size(ln)
+
+    def record(self, row: tuple, with_payload: bool) -> Record:
+        """The record of a table row; its payload is read and verified if asked for."""
+        pos, rtype, length, ino, offset, time_ns, seq, csum = row
+        payload: bytes = b""
+        if with_payload:
+            whole = self._read(pos, RECORD_HEADER_SIZE + length)
+            hdr = decode_header(whole) if len(whole) >= RECORD_HEADER_SIZE else None
+            if hdr is None or hdr[6] != csum or not verify_record(whole):
+                raise CorruptRecord(self.name, pos, "checksum mismatch")
+            payload = whole[RECORD_HEADER_SIZE:]
+        return Record(rtype, ino, offset, time_ns, seq, payload, pos, length, csum)
+
+    def records(self, data_payloads: bool = False) -> Iterator[Record]:
+        """Every record in order; metadata payloads always, data payloads if asked."""
+        for row in self.rows:
+            yield self.record(row, data_payloads or row[1] != RecType.WRITE)
 
 
 def footer(seal_pos: int, nrecords: int) -> bytes:

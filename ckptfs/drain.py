@@ -1,0 +1,292 @@
+"""The drain: sealed segments -> published objects on SHARED -> a manifest per node.
+
+Per segment, states are recorded in the index before each step:
+
+    SEALED --(commit UPLOADING)--> copy to SHARED as temp, fsync, rename, fsync dir
+           --> PUBLISHED
+
+A crash at any point resumes on the next mount: UPLOADING and SEALED segments are uploaded
+again (an object already complete under its final name is recognised and kept), this node's
+temp files on SHARED are removed. Object names are deterministic (node/segment id), so nothing
+is ever published twice under two names.
+
+The *published view* is a second index (NVME/published) built by applying, in log order, the
+records of the contiguous prefix of published segments. It is exactly the namespace as of the
+last published record, so the manifest made from it never names bytes that are not on SHARED.
+`wait` returns once the published view has reached the log position of the call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import trio
+
+from ckptfs import layout, manifest
+from ckptfs import segment as fmt
+from ckptfs.index import Index, SegState
+from ckptfs.shared import RateLimiter, SharedStore, describe_oserror
+
+log = logging.getLogger(__name__)
+
+PUBLISHED_DIR = "published"
+MAX_BACKOFF = 30.0
+
+
+@dataclass
+class DrainStats:
+    segments_uploaded: int = 0
+    bytes_uploaded: int = 0
+    manifests_published: int = 0
+    upload_seconds: float = 0.0
+    retries: int = 0
+    last_error: str | None = None
+    last_error_time: float | None = None
+    recent: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes) for rate
+
+    def rate(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        self.recent = [(t, n) for t, n in self.recent if now - t <= window]
+        return sum(n for _, n in self.recent) / window
+
+
+class Drain:
+    def __init__(self, nvme: str, node: str, index: Index, store: SharedStore,
+                 seg_path: Callable[[int], str], commit: Callable[[], Any],
+                 streams: int = 2, limit_mb_s: float = 0.0):
+        self.node = node
+        self.index = index
+        self.store = store
+        self.seg_path = seg_path
+        self.commit = commit  # async: commit the live index (write-ahead safe)
+        self.streams = max(1, streams)
+        self.limiter = RateLimiter(limit_mb_s * 1e6)
+        # LMDB write transactions belong to the thread that began them: the published view
+        # lives on one dedicated thread
+        self._pub_thread = concurrent.futures.ThreadPoolExecutor(1, "ckptfs-pubview")
+        self.pub: Index = self._pub_thread.submit(
+            Index, os.path.join(nvme, PUBLISHED_DIR)).result()
+        self.stats = DrainStats()
+        self.published_seq = self.pub.applied[2]
+        self.manifest_seq = self.published_seq
+        self._changed = trio.Event()
+        self._kick = trio.Event()
+        self._send, self._recv = trio.open_memory_channel[int](float("inf"))
+        self._queued: set[int] = set()
+        self._thread_limiter = trio.CapacityLimiter(self.streams)
+        self.in_flight: dict[int, int] = {}  # seg -> bytes copied so far
+        self.waiters = 0
+        self.manifest_interval = 5.0
+        self._last_manifest = 0.0
+
+    # --- entry points -------------------------------------------------------------------
+
+    def enqueue(self, seg: int) -> None:
+        if seg not in self._queued:
+            self._queued.add(seg)
+            self._send.send_nowait(seg)
+
+    def pending(self) -> list[tuple[int, int]]:
+        """(seg, size) of segments not yet published, in order."""
+        return [(seg, size) for seg, (state, size, _d, _t) in self.index.iter_segments()
+                if state in (SegState.SEALED, SegState.UPLOADING)]
+
+    async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        removed = await self._retrying("clean temp files", self.store.clean_temp, self.node)
+        if removed:
+            log.info("removed %d half-written temp files on SHARED", removed)
+        for seg, _size in self.pending():
+            self.enqueue(seg)
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.streams):
+                nursery.start_soon(self._worker, self._recv.clone())
+            nursery.start_soon(self._publisher)
+            self._kick.set()
+            task_status.started()
+
+    async def wait_seq(self, seq: int, timeout: float | None,
+                       progress: Callable[[dict], Any] | None = None) -> None:
+        """Until the published view (and its manifest) reaches log sequence number `seq`."""
+        deadline = None if timeout is None else trio.current_time() + timeout
+        total = None
+        self.waiters += 1
+        self._kick.set()
+        try:
+            await self._wait_loop(seq, deadline, progress, total)
+        finally:
+            self.waiters -= 1
+
+    async def _wait_loop(self, seq: int, deadline: float | None,
+                         progress: Callable[[dict], Any] | None, total: int | None) -> None:
+        while self.manifest_seq < seq:
+            if progress is not None:
+                pend = sum(size for _s, size in self.pending())
+                total = max(total or 0, pend)
+                await progress({"done": total - pend, "total": total,
+                                "error": self.stats.last_error})
+            ev = self._changed
+            with trio.move_on_at(deadline if deadline is not None else float("inf")):
+                with trio.move_on_after(1.0):
+                    await ev.wait()
+                continue
+            raise TimeoutError(f"timed out; {len(self.pending())} segments still pending"
+                               + (f"; last error: {self.stats.last_error}"
+                                  if self.stats.last_error else ""))
+
+    # --- uploading --------------------------------------------------------------------------
+
+    async def _retrying(self, what: str, fn: Callable, *args: Any, pub: bool = False) -> Any:
+        delay = 0.5
+        while True:
+            try:
+                if pub:
+                    fut = self._pub_thread.submit(fn, *args)
+                    return await trio.to_thread.run_sync(fut.result)
+                return await trio.to_thread.run_sync(fn, *args, limiter=self._thread_limiter)
+            except (OSError, fmt.CorruptRecord, manifest.ManifestError) as e:
+                msg = describe_oserror(e) if isinstance(e, OSError) else str(e)
+                self._error(f"{what}: {msg}")
+                self.stats.retries += 1
+                await trio.sleep(delay)
+                delay = min(delay * 2, MAX_BACKOFF)
+
+    def _error(self, msg: str) -> None:
+        if msg != self.stats.last_error:
+            log.error("drain: %s (will retry)", msg)
+        self.stats.last_error = msg
+        self.stats.last_error_time = time.time()
+
+    async def _worker(self, recv: trio.MemoryReceiveChannel[int]) -> None:
+        async with recv:
+            async for seg in recv:
+                await self._upload(seg)
+                self._queued.discard(seg)
+                self._kick.set()
+
+    async def _upload(self, seg: int) -> None:
+        st = self.index.get_segment(seg)
+        if st is None or st[0] not in (SegState.SEALED, SegState.UPLOADING):
+            return
+        size = st[1]
+        if st[0] == SegState.SEALED:
+            self.index.set_segment(seg, SegState.UPLOADING)
+            await self.commit()  # intent before the side effect
+        t0 = time.monotonic()
+        self.in_flight[seg] = 0
+
+        def progress(n: int) -> None:
+            self.in_flight[seg] = self.in_flight.get(seg, 0) + n
+
+        def upload() -> int:
+            self.in_flight[seg] = 0
+            if self.store.object_ok(self.node, seg, size):
+                return 0  # published before a crash; the name is final, keep it
+            n, _h = self.store.put_object(self.node, seg, self.seg_path(seg), self.limiter,
+                                          progress)
+            if n != size:
+                raise OSError(5, f"segment {fmt.segment_name(seg)} changed size during upload")
+            return n
+
+        n = await self._retrying(f"upload {fmt.segment_name(seg)}", upload)
+        self.in_flight.pop(seg, None)
+        dt = time.monotonic() - t0
+        self.index.set_segment(seg, SegState.PUBLISHED)
+        self.stats.segments_uploaded += 1
+        self.stats.bytes_uploaded += n
+        self.stats.upload_seconds += dt
+        self.stats.recent.append((time.monotonic(), n))
+        if self.stats.last_error:
+            log.info("drain recovered")
+            self.stats.last_error = None
+        log.info("published segment %s (%d bytes, %.2fs, %.0f MB/s)", fmt.segment_name(seg), n,
+                 dt, n / dt / 1e6 if dt > 0 else 0)
+
+    # --- the published view and its manifest ----------------------------------------------
+
+    def _ready_segments(self) -> list[tuple[int, int]]:
+        """Published segments after the published view, up to the first one that is not."""
+        last = self.pub.applied[0]
+        out = []
+        for seg, (state, size, _d, _t) in self.index.iter_segments():
+            if seg <= last:
+                continue
+            if state not in (SegState.PUBLISHED, SegState.EVICTED):
+                break
+            out.append((seg, size))
+        return out
+
+    async def _publisher(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick = trio.Event()
+            ready = self._ready_segments()
+            # a manifest is O(files) to build: make one when someone waits, when the queue
+            # is empty, or every manifest_interval, not after every segment
+            now = time.monotonic()
+            want = bool(self.waiters or not self._queued
+                        or now - self._last_manifest >= self.manifest_interval)
+            if not ready and (self.manifest_seq >= self.published_seq or not want):
+                continue
+            await self._retrying("publish manifest", self._advance, ready, want, pub=True)
+            if want:
+                self._last_manifest = time.monotonic()
+            ev, self._changed = self._changed, trio.Event()
+            ev.set()
+            if self.manifest_seq < self.published_seq:
+                self._kick.set()  # come back for the manifest
+                await trio.sleep(0.2)
+
+    def _open_sealed(self, seg: int, size: int) -> fmt.SealedSegment:
+        path = self.seg_path(seg)
+        if os.path.exists(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return fmt.SealedSegment(path, size, lambda o, n: os.pread(fd, n, o)), fd
+            except BaseException:
+                os.close(fd)
+                raise
+        name = f"{self.node}/{fmt.segment_name(seg)}"
+        return fmt.SealedSegment(name, size, lambda o, n: self.store.read_range(
+            self.node, seg, o, n)), -1
+
+    def _advance(self, ready: list[tuple[int, int]], want_manifest: bool) -> None:
+        """Published-view thread: apply newly published segments, publish the manifest."""
+        for seg, size in ready:
+            sealed, fd = self._open_sealed(seg, size)
+            try:
+                for rec in sealed.records():
+                    self.pub.apply(seg, rec)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            self.pub.set_segment(seg, SegState.PUBLISHED, size=size)
+            self.pub.applied = (seg, size, sealed.seal_seq)
+            self.published_seq = sealed.seal_seq
+        if not want_manifest or self.published_seq <= self.manifest_seq:
+            return
+        objects = {manifest.obj_name(self.node, s): {"size": st[1]}
+                   for s, st in self.pub.iter_segments()}
+        data = manifest.build(self.pub, self.node, self.published_seq, objects, time.time_ns())
+        self.store.put_manifest(self.node, self.published_seq, data)
+        self.pub.commit()
+        self.store.prune_manifests(self.node, keep=2)
+        self.manifest_seq = self.published_seq
+        self.stats.manifests_published += 1
+        log.info("published manifest %016x (%d bytes)", self.published_seq, len(data))
+
+    def close(self) -> None:
+        self._pub_thread.submit(self.pub.close, True).result()
+        self._pub_thread.shutdown()
+
+
+def wait_target(seglog: Any) -> int:
+    """The log sequence number a wait must see published: everything appended so far."""
+    return seglog.seq
+
+
+__all__ = ["Drain", "wait_target", "layout"]

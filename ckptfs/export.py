@@ -1,0 +1,129 @@
+"""Reading the shared store with no mount and no local state: the merged view, ls, export.
+
+What a fresh node sees: every node's newest valid manifest, merged by path with the conflict
+rule of remote.py (newest mtime wins, ties to the larger node id), data read from the objects
+and verified record by record. Paths from manifests are validated (manifest.parse) and
+`export` additionally refuses anything that would resolve outside DEST.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ckptfs import manifest
+from ckptfs import segment as fmt
+from ckptfs.remote import fetch_manifests
+from ckptfs.shared import SharedError, SharedStore
+
+
+class ExportError(Exception):
+    pass
+
+
+@dataclass
+class View:
+    entries: dict[str, tuple[str, manifest.Entry]]  # path -> (node, entry)
+    manifests: dict[str, manifest.Manifest]
+    errors: list[str]
+
+
+def merged_view(store: SharedStore) -> View:
+    if not os.path.isdir(store.root):
+        raise ExportError(f"{store.base} holds no ckptfs shared store (no {store.root})")
+    errors: list[str] = []
+    found = fetch_manifests(store, {}, errors)
+    entries: dict[str, tuple[str, manifest.Entry]] = {}
+    for node, m in sorted(found.items()):
+        for e in m.entries:
+            cur = entries.get(e.path)
+            if cur is None or (e.mtime_ns, node) > (cur[1].mtime_ns, cur[0]):
+                entries[e.path] = (node, e)
+    return View(entries, found, errors)
+
+
+def select(view: View, prefix: str) -> Iterator[tuple[str, str, manifest.Entry]]:
+    """(relative path under prefix, node, entry), sorted by path."""
+    prefix = prefix.strip("/")
+    for path in sorted(view.entries):
+        if prefix and path != prefix and not path.startswith(prefix + "/"):
+            continue
+        node, e = view.entries[path]
+        rel = path[len(prefix):].lstrip("/") if prefix else path
+        yield rel, node, e
+
+
+def read_file(store: SharedStore, e: manifest.Entry) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) pieces of a file's data, each verified against its record checksum."""
+    for off, length, obj, pos, skip, rec_len in e.extents:
+        node, seg = manifest.split_obj(obj)
+        whole = store.read_range(node, seg, pos, fmt.RECORD_HEADER_SIZE + rec_len)
+        hdr = fmt.decode_header(whole) if len(whole) >= fmt.RECORD_HEADER_SIZE else None
+        if hdr is None or hdr[0] != fmt.RecType.WRITE or hdr[1] != rec_len \
+                or not fmt.verify_record(whole):
+            raise ExportError(f"{e.path}: checksum mismatch in object {obj} at offset {pos}")
+        start = fmt.RECORD_HEADER_SIZE + skip
+        yield off, whole[start:start + length]
+
+
+def _safe_join(dest: str, rel: str) -> str:
+    out = os.path.normpath(os.path.join(dest, rel))
+    if out != dest and not out.startswith(dest + os.sep):
+        raise ExportError(f"refusing to write outside {dest}: {rel!r}")
+    return out
+
+
+def export(store: SharedStore, prefix: str, dest: str,
+           progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+    """Write the files under `prefix` as plain files into dest; returns (files, bytes)."""
+    view = merged_view(store)
+    items = list(select(view, prefix))
+    if not items:
+        raise ExportError(f"nothing published under {prefix!r}")
+    dest = os.path.realpath(dest)
+    os.makedirs(dest, exist_ok=True)
+    total = sum(e.size for _r, _n, e in items if e.type == "f")
+    done = files = 0
+    for rel, _node, e in items:
+        if not rel:
+            if e.type == "d":
+                continue  # the prefix directory itself is DEST
+            rel = os.path.basename(e.path)  # the prefix names a single file
+        target = _safe_join(dest, rel)
+        parent = os.path.dirname(target)
+        # never follow a symlink we (or anyone) placed inside DEST out of it
+        if os.path.realpath(parent) != parent:
+            raise ExportError(f"refusing to write through a symlink: {rel!r}")
+        if e.type == "d":
+            os.makedirs(target, exist_ok=True)
+            os.chmod(target, e.mode | stat.S_IRWXU)
+            continue
+        os.makedirs(parent, exist_ok=True)
+        if os.path.lexists(target) and (os.path.islink(target) or not os.path.isfile(target)):
+            os.unlink(target)
+        if e.type == "l":
+            os.symlink(e.target, target)
+            continue
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            for off, data in read_file(store, e):
+                os.pwrite(fd, data, off)
+                done += len(data)
+                if progress is not None:
+                    progress(done, total)
+            os.ftruncate(fd, e.size)
+            os.fchmod(fd, e.mode)
+        finally:
+            os.close(fd)
+        os.utime(target, ns=(e.mtime_ns, e.mtime_ns))
+        files += 1
+    return files, done
+
+
+def check_store(path: str) -> SharedStore:
+    store = SharedStore(path)
+    if not os.path.isdir(store.root):
+        raise SharedError(f"{path} holds no ckptfs shared store (no {store.root})")
+    return store

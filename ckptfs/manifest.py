@@ -1,0 +1,237 @@
+"""Manifests: a node's published namespace as one immutable, checksummed object.
+
+    b"CKPTMAN1" | xxh3_64 of the compressed body (u64 LE) | zlib(JSON body)
+
+The body (docs/format.md):
+
+    {"format": "ckptfs-manifest", "version": 1, "node": "n0", "seq": <log seq it reflects>,
+     "created_ns": ..., "objects": {"n0/0000000000000003": {"size": ..}, ...},
+     "entries": [{"path": "step_1/__0_0.distcp", "type": "f", "mode": .., "uid": .., "gid": ..,
+                  "size": .., "mtime_ns": ..,
+                  "extents": [[file_off, length, "n0/0000000000000003", record_pos, skip,
+                               record_payload_len], ...]},
+                 {"path": "step_1", "type": "d", ...}, {"path": "l", "type": "l", "target": ..}]}
+
+An extent is `length` bytes starting `skip` bytes into the payload of the record at
+`record_pos` of the object; the record's checksum covers its whole payload, so readers
+verify what they read. Paths are relative, '/'-separated, never contain '.', '..', empty
+components or NUL. Manifests are untrusted input: `parse` validates all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import xxhash
+
+from ckptfs import segment as fmt
+from ckptfs.index import ROOT_INO, VSEG_BIT, Index
+from ckptfs.shared import NODE_RE
+
+MAGIC = b"CKPTMAN1"
+MAX_MANIFEST = 1 << 31
+MAX_PATH = 64 * 1024
+
+
+class ManifestError(Exception):
+    pass
+
+
+@dataclass
+class Entry:
+    path: str
+    type: str  # "f", "d", "l"
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    mtime_ns: int
+    target: str = ""
+    extents: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    node: str
+    seq: int
+    created_ns: int
+    objects: dict[str, dict]
+    entries: list[Entry]
+
+    def files(self) -> Iterator[Entry]:
+        return (e for e in self.entries if e.type == "f")
+
+
+def obj_name(node: str, seg: int) -> str:
+    return f"{node}/{seg:016x}"
+
+
+def split_obj(obj: str) -> tuple[str, int]:
+    node, seg = obj.rsplit("/", 1)
+    return node, int(seg, 16)
+
+
+def walk(index: Index, skip_foreign_of: str | None = None) -> Iterator[tuple[str, Any]]:
+    """(relative path, inode) for everything reachable from the root, depth first.
+
+    With skip_foreign_of=NODE, files imported from other nodes (and not modified here) are
+    left out: they are those nodes' to publish.
+    """
+    stack: list[tuple[int, str]] = [(ROOT_INO, "")]
+    while stack:
+        dino, prefix = stack.pop()
+        for _cookie, name, child in index.readdir(dino, 0):
+            node = index.get_inode(child)
+            if node is None:
+                continue
+            path = prefix + os.fsdecode(name)
+            if node.is_dir:
+                yield path, node
+                stack.append((child, path + "/"))
+                continue
+            if skip_foreign_of is not None:
+                origin = index.origin(child)
+                if origin is not None and origin.get("node") != skip_foreign_of:
+                    continue
+            yield path, node
+
+
+def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_ns: int) -> bytes:
+    """Serialize the (published view) index as node's manifest."""
+    entries: list[dict] = []
+    used: set[str] = set()
+    for path, ino in walk(index, skip_foreign_of=node):
+        e: dict[str, Any] = {"path": path, "mode": ino.mode & 0o7777, "uid": ino.uid,
+                             "gid": ino.gid, "size": ino.size, "mtime_ns": ino.mtime_ns}
+        if ino.is_dir:
+            e["type"] = "d"
+        elif stat.S_ISLNK(ino.mode):
+            e["type"] = "l"
+            e["target"] = os.fsdecode(ino.target)
+        elif stat.S_ISREG(ino.mode):
+            e["type"] = "f"
+            ext = []
+            for x in index.iter_extents(ino.ino):
+                if x.seg & VSEG_BIT:
+                    ref = index.objref(x.seg)
+                    if ref is None:
+                        raise ManifestError(f"{path}: extent refers to unknown object {x.seg}")
+                    obj = obj_name(*ref)
+                else:
+                    obj = obj_name(node, x.seg)
+                used.add(obj)
+                ext.append([x.start, x.length, obj, x.rec_pos, x.skip, x.rec_len])
+            e["extents"] = ext
+        else:
+            continue  # fifos, sockets, devices are not checkpoint data
+        entries.append(e)
+    body = {"format": "ckptfs-manifest", "version": 1, "node": node, "seq": seq,
+            "created_ns": created_ns,
+            "objects": {o: objects.get(o, {}) for o in sorted(used)}, "entries": entries}
+    raw = zlib.compress(json.dumps(body, separators=(",", ":")).encode(), 3)
+    return MAGIC + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)) + raw
+
+
+def _check_path(p: Any) -> str:
+    if not isinstance(p, str) or not p or len(p) > MAX_PATH:
+        raise ManifestError(f"bad path {p!r}")
+    for comp in p.split("/"):
+        if comp in ("", ".", "..") or "\0" in comp or len(os.fsencode(comp)) > 255:
+            raise ManifestError(f"bad path {p!r}")
+    return p
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 63) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
+        raise ManifestError(f"bad {what}: {v!r}")
+    return v
+
+
+def parse(data: bytes, where: str = "manifest") -> Manifest:
+    """Validate and decode a manifest; ManifestError with one line on anything wrong."""
+    try:
+        if len(data) < 16 or data[:8] != MAGIC:
+            raise ManifestError("not a ckptfs manifest (bad magic)")
+        (csum,) = struct.unpack_from("<Q", data, 8)
+        raw = data[16:]
+        if xxhash.xxh3_64_intdigest(raw) != csum:
+            raise ManifestError("checksum mismatch (truncated or corrupt)")
+        d = zlib.decompressobj()
+        text = d.decompress(raw, MAX_MANIFEST)
+        if d.unconsumed_tail:
+            raise ManifestError("too large")
+        body = json.loads(text)
+        if not isinstance(body, dict) or body.get("format") != "ckptfs-manifest":
+            raise ManifestError("not a ckptfs manifest body")
+        if body.get("version") != 1:
+            raise ManifestError(f"unsupported manifest version {body.get('version')!r}")
+        node = body.get("node")
+        if not isinstance(node, str) or not NODE_RE.match(node):
+            raise ManifestError(f"bad node id {node!r}")
+        objects = body.get("objects")
+        if not isinstance(objects, dict):
+            raise ManifestError("bad objects table")
+        for o in objects:
+            _check_obj(o)
+        entries = []
+        seen: set[str] = set()
+        for e in body.get("entries", []):
+            if not isinstance(e, dict):
+                raise ManifestError("bad entry")
+            path = _check_path(e.get("path"))
+            if path in seen:
+                raise ManifestError(f"duplicate path {path!r}")
+            seen.add(path)
+            t = e.get("type")
+            if t not in ("f", "d", "l"):
+                raise ManifestError(f"{path}: bad type {t!r}")
+            size = _int(e.get("size", 0), f"{path}: size")
+            ent = Entry(path, t, _int(e.get("mode", 0o644), f"{path}: mode", 0, 0o10000),
+                        _int(e.get("uid", 0), "uid", 0, 1 << 32),
+                        _int(e.get("gid", 0), "gid", 0, 1 << 32), size,
+                        _int(e.get("mtime_ns", 0), "mtime", -(1 << 63)))
+            if t == "l":
+                target = e.get("target")
+                if not isinstance(target, str) or not target or len(target) > 4095 \
+                        or "\0" in target:
+                    raise ManifestError(f"{path}: bad symlink target")
+                ent.target = target
+            if t == "f":
+                last_end = 0
+                for x in e.get("extents", []):
+                    if not isinstance(x, list) or len(x) != 6:
+                        raise ManifestError(f"{path}: bad extent {x!r}")
+                    off, ln, obj, pos, skip, rec_len = x
+                    _int(off, f"{path}: extent offset")
+                    _int(ln, f"{path}: extent length", 1)
+                    _int(pos, f"{path}: record position", fmt.SEGMENT_HEADER_SIZE)
+                    _int(skip, f"{path}: extent skip")
+                    _int(rec_len, f"{path}: record length", 1, fmt.MAX_PAYLOAD + 1)
+                    _check_obj(obj)
+                    if obj not in objects:
+                        raise ManifestError(f"{path}: extent names unlisted object {obj}")
+                    if off < last_end or off + ln > size or skip + ln > rec_len:
+                        raise ManifestError(f"{path}: extent out of range {x!r}")
+                    last_end = off + ln
+                    ent.extents.append((off, ln, obj, pos, skip, rec_len))
+            entries.append(ent)
+        return Manifest(node, _int(body.get("seq", 0), "seq"),
+                        _int(body.get("created_ns", 0), "created_ns"), objects, entries)
+    except ManifestError as e:
+        raise ManifestError(f"{where}: {e}") from None
+    except (ValueError, TypeError, zlib.error, struct.error, KeyError) as e:
+        raise ManifestError(f"{where}: malformed ({e})") from None
+
+
+def _check_obj(o: Any) -> None:
+    if not isinstance(o, str) or "/" not in o:
+        raise ManifestError(f"bad object name {o!r}")
+    node, seg = o.rsplit("/", 1)
+    if not NODE_RE.match(node) or len(seg) != 16 or any(c not in "0123456789abcdef" for c in seg):
+        raise ManifestError(f"bad object name {o!r}")

@@ -1,0 +1,215 @@
+"""Other nodes' published files in this mount: read manifests, import what changed.
+
+Every node publishes its namespace as manifests on SHARED. A refresh reads the newest
+manifest of each node (one listdir per node and one read per new manifest: no per-file NAS
+traffic) and makes this node's namespace agree with it through ordinary log records: CREATE
+for new paths and IMPORT records that point a file at ranges of published objects. Imports
+are therefore crash-safe and replayed like everything else.
+
+Conflict rule (one path published by several nodes, or written here and elsewhere): whole
+files only, never mixed bytes; the version with the newest mtime wins, ties broken by the
+larger node id. A file open here is never replaced under its reader/writer; it is looked at
+again on the next refresh. A file imported from node X that X no longer publishes is removed.
+
+Refreshes run at mount, every `interval` seconds, and on `ckptfs status --refresh`. A lookup
+miss does not trigger one: a create storm is a storm of lookup misses, and turning each into
+NAS round trips is what ckptfs exists to avoid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from typing import Any
+
+import trio
+
+from ckptfs import manifest
+from ckptfs.errors import FsError
+from ckptfs.index import ROOT_INO
+from ckptfs.namespace import Namespace
+from ckptfs.segment import RecType
+from ckptfs.shared import SharedStore
+
+log = logging.getLogger(__name__)
+
+
+def fetch_manifests(store: SharedStore, seen: dict[str, int],
+                    errors: list[str] | None = None) -> dict[str, manifest.Manifest]:
+    """Newest valid manifest of each node whose newest differs from `seen` (blocking)."""
+    out = {}
+    for node in store.nodes():
+        seqs = store.list_manifests(node)
+        for seq in reversed(seqs):  # newest first; fall back past a corrupt one
+            if seen.get(node) == seq:
+                break
+            try:
+                m = manifest.parse(store.get_manifest(node, seq),
+                                   f"{node}/{seq:016x}.manifest")
+                if m.node != node:
+                    raise manifest.ManifestError(f"{node}/{seq:016x}.manifest: claims to be "
+                                                 f"from node {m.node!r}")
+            except (OSError, manifest.ManifestError) as e:
+                msg = str(e)
+                log.error("ignoring manifest: %s", msg)
+                if errors is not None:
+                    errors.append(msg)
+                continue
+            out[node] = m
+            break
+    return out
+
+
+def winner(a: tuple[int, str], b: tuple[int, str]) -> bool:
+    """True if version a = (mtime_ns, node) beats b under the conflict rule."""
+    return a > b
+
+
+class Refresher:
+    def __init__(self, ns: Namespace, store: SharedStore, node: str, own_seq_floor: int,
+                 interval: float = 5.0):
+        self.ns = ns
+        self.store = store
+        self.node = node
+        self.own_seq_floor = own_seq_floor  # our own manifests newer than this: lost NVMe
+        self.interval = interval
+        self.seen: dict[str, int] = {}
+        self.imported = 0
+        self.removed = 0
+        self.errors: list[str] = []
+        self.invalidate: list[int] = []
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(self.interval)
+            try:
+                await self.refresh()
+            except Exception:  # a refresh must never take the mount down
+                log.exception("refresh from the shared store failed")
+
+    async def refresh(self) -> int:
+        errors: list[str] = []
+        try:
+            found = await trio.to_thread.run_sync(fetch_manifests, self.store, dict(self.seen),
+                                                  errors)
+        except OSError as e:
+            log.warning("cannot read manifests from the shared store: %s", e)
+            return 0
+        self.errors = errors[-10:]
+        n = self.apply_all(found)
+        for ino in self.invalidate:
+            try:
+                import pyfuse3
+
+                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
+            except Exception:
+                pass
+        self.invalidate.clear()
+        return n
+
+    def apply_all(self, found: dict[str, manifest.Manifest]) -> int:
+        n = 0
+        for node, m in sorted(found.items()):
+            if node == self.node and m.seq <= self.own_seq_floor:
+                self.seen[node] = m.seq
+                continue  # our own namespace is already here
+            n += self.apply(node, m)
+            self.seen[node] = m.seq
+        return n
+
+    # --- applying one node's manifest ----------------------------------------------------
+
+    def apply(self, node: str, m: manifest.Manifest) -> int:
+        changed = 0
+        present: set[str] = set()
+        for e in m.entries:
+            present.add(e.path)
+            try:
+                changed += self._apply_entry(node, e)
+            except FsError as err:
+                log.warning("cannot import %s from node %s: %s", e.path, node, err)
+        if node != self.node:
+            changed += self._remove_vanished(node, present)
+        if changed:
+            log.info("imported %d changes from node %s (manifest %016x)", changed, node, m.seq)
+        self.imported += changed
+        return changed
+
+    def _parent(self, path: str, modes: dict[str, int] | None = None) -> tuple[int, bytes]:
+        """(parent inode, name) for path, creating missing directories."""
+        parts = [os.fsencode(p) for p in path.split("/")]
+        parent = ROOT_INO
+        for comp in parts[:-1]:
+            child = self.ns.index.lookup(parent, comp)
+            if child is None:
+                parent = self.ns.make_node(parent, comp, stat.S_IFDIR | 0o755, 0, 0).ino
+                continue
+            node = self.ns.index.get_inode(child)
+            if node is None or not node.is_dir:
+                raise FsError(20, f"{path}: a parent is not a directory here")
+            parent = child
+        return parent, parts[-1]
+
+    def _apply_entry(self, node: str, e: manifest.Entry) -> int:
+        parent, name = self._parent(e.path)
+        idx = self.ns.index
+        cur = idx.lookup(parent, name)
+        if e.type == "d":
+            if cur is None:
+                self.ns.make_node(parent, name, stat.S_IFDIR | e.mode, e.uid, e.gid)
+                return 1
+            return 0
+        if e.type == "l":
+            if cur is None:
+                self.ns.make_node(parent, name, stat.S_IFLNK | 0o777, e.uid, e.gid,
+                                  target=os.fsencode(e.target))
+                return 1
+            return 0
+        if cur is None:
+            ino = self.ns.make_node(parent, name, stat.S_IFREG | e.mode, e.uid, e.gid).ino
+            self._import(ino, node, e)
+            return 1
+        local = idx.get_inode(cur)
+        if local is None or not stat.S_ISREG(local.mode):
+            return 0
+        origin = idx.origin(cur)
+        if origin is not None and origin.get("node") == node:
+            if origin.get("mtime_ns") == e.mtime_ns and origin.get("size") == e.size:
+                return 0
+        else:
+            mine = (local.mtime_ns, origin["node"] if origin else self.node)
+            if not winner((e.mtime_ns, node), mine):
+                return 0
+        if self.ns.opens.get(cur):
+            return 0  # never swap a file under an open handle; next refresh looks again
+        self._import(cur, node, e)
+        self.invalidate.append(cur)
+        return 1
+
+    def _import(self, ino: int, node: str, e: manifest.Entry) -> None:
+        body = {"origin": node, "size": e.size, "mtime_ns": e.mtime_ns,
+                "extents": [list(x) for x in e.extents]}
+        self.ns.record(RecType.IMPORT, ino, 0, json.dumps(body, separators=(",", ":")).encode())
+
+    def _remove_vanished(self, node: str, present: set[str]) -> int:
+        n = 0
+        for path, ino in list(manifest.walk(self.ns.index)):
+            if ino.is_dir or path in present:
+                continue
+            origin = self.ns.index.origin(ino.ino)
+            if origin is None or origin.get("node") != node or self.ns.opens.get(ino.ino):
+                continue
+            parent, name = self._parent(path)
+            try:
+                self.ns.unlink(parent, name, want_dir=False)
+                n += 1
+                self.removed += 1
+            except FsError:
+                pass
+        return n
+
+    def status(self) -> dict[str, Any]:
+        return {"nodes_seen": dict(self.seen), "imported": self.imported,
+                "removed": self.removed, "manifest_errors": self.errors}

@@ -1,0 +1,290 @@
+"""The shared store: layout, atomic publish of objects and manifests, reading them back.
+
+Layout under SHARED/ckptfs/ (docs/format.md has the byte formats):
+
+    FORMAT                                   {"format": "ckptfs-shared", "version": 1}
+    objects/<node>/<segment id:016x>.seg     a sealed segment, byte for byte (immutable)
+    manifests/<node>/<pub seq:016x>.manifest  the node's published namespace (immutable)
+    .tmp files                               in-flight publishes; removed on the owner's mount
+
+Everything on SHARED is written once under a temporary name, fsync'd, renamed into place and
+the directory fsync'd: a reader sees a whole object or none. Every namespace operation ckptfs
+issues here is counted (`ops`), because those are what a NAS charges a round trip for.
+
+Anything read from SHARED is untrusted: other machines wrote it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+import time
+from typing import Callable, Iterator
+
+import xxhash
+
+from ckptfs import layout
+from ckptfs import segment as fmt
+
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+OBJ_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
+MAN_RE = re.compile(r"^([0-9a-f]{16})\.manifest$")
+COPY_CHUNK = 8 << 20
+
+
+class SharedError(Exception):
+    """The shared store failed or holds something invalid; the message is one line."""
+
+
+def check_node_id(node: str) -> str:
+    if not NODE_RE.match(node):
+        raise SharedError(f"invalid node id {node!r} (letters, digits, . _ -; max 64)")
+    return node
+
+
+class RateLimiter:
+    """A token bucket in bytes/s shared by all upload streams (0 = unlimited)."""
+
+    def __init__(self, bytes_per_s: float):
+        self.rate = bytes_per_s
+        self.lock = threading.Lock()
+        self.next_free = time.monotonic()
+
+    def take(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_free)
+            self.next_free = start + n / self.rate
+            delay = start - now
+        if delay > 0:
+            time.sleep(delay)
+
+
+class SharedStore:
+    """A POSIX directory as the shared tier. Methods block: call them from worker threads."""
+
+    def __init__(self, shared: str):
+        self.base = shared
+        self.root = os.path.join(shared, layout.SHARED_ROOT)
+        self.ops: dict[str, int] = {}
+        self._ops_lock = threading.Lock()
+        self.bytes_uploaded = 0
+        self.bytes_read = 0
+        self._known_dirs: set[str] = set()
+        self._read_fds: dict[str, int] = {}
+        self._read_lock = threading.Lock()
+
+    def _op(self, name: str, n: int = 1) -> None:
+        with self._ops_lock:
+            self.ops[name] = self.ops.get(name, 0) + n
+
+    # --- paths ----------------------------------------------------------------------------
+
+    def object_path(self, node: str, seg: int) -> str:
+        return os.path.join(self.root, "objects", node, fmt.segment_name(seg))
+
+    def manifest_dir(self, node: str) -> str:
+        return os.path.join(self.root, "manifests", node)
+
+    def _ensure_dir(self, d: str) -> None:
+        if d in self._known_dirs:
+            return
+        if not os.path.isdir(d):
+            self._op("mkdir")
+            os.makedirs(d, exist_ok=True)
+            layout.fsync_dir(os.path.dirname(d))
+            self._op("fsync_dir")
+        self._known_dirs.add(d)
+
+    def check(self) -> None:
+        """Fail with one clear line if the store is not usable right now."""
+        if not os.path.isdir(self.root):
+            raise SharedError(f"shared store {self.root} is missing")
+        if not os.access(self.root, os.W_OK):
+            raise SharedError(f"shared store {self.root} is not writable")
+
+    # --- writing --------------------------------------------------------------------------
+
+    def put_object(self, node: str, seg: int, src: str, limiter: RateLimiter | None = None,
+                   progress: Callable[[int], None] | None = None) -> tuple[int, str]:
+        """Publish local segment file `src` as node's object `seg`; returns (size, xxh3_128)."""
+        dest = self.object_path(node, seg)
+        d = os.path.dirname(dest)
+        self._ensure_dir(d)
+        tmp = os.path.join(d, f".tmp.{fmt.segment_name(seg)}.{os.getpid()}")
+        h = xxhash.xxh3_128()
+        size = 0
+        buf = bytearray(COPY_CHUNK)
+        view = memoryview(buf)
+        with open(src, "rb", buffering=0) as inp:
+            self._op("create")
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)
+            try:
+                while True:
+                    n = inp.readinto(buf)
+                    if not n:
+                        break
+                    if limiter is not None:
+                        limiter.take(n)
+                    h.update(view[:n])
+                    w = 0
+                    while w < n:
+                        w += os.write(out, view[w:n])
+                    size += n
+                    self.bytes_uploaded += n
+                    if progress is not None:
+                        progress(n)
+                self._op("fsync")
+                os.fsync(out)  # the bytes must be on the store before the name is
+            except BaseException:
+                os.close(out)
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            os.close(out)
+        self._op("rename")
+        os.rename(tmp, dest)
+        self._op("fsync_dir")
+        layout.fsync_dir(d)  # ...and the name must be durable before we call it published
+        return size, h.hexdigest()
+
+    def object_ok(self, node: str, seg: int, size: int) -> bool:
+        """A published object of this size with a valid footer exists (crash after rename)."""
+        path = self.object_path(node, seg)
+        try:
+            self._op("stat")
+            if os.path.getsize(path) != size:
+                return False
+            with open(path, "rb") as f:
+                f.seek(size - fmt.FOOTER_SIZE)
+                return fmt.parse_footer(f.read(fmt.FOOTER_SIZE)) is not None
+        except OSError:
+            return False
+
+    def put_manifest(self, node: str, seq: int, data: bytes) -> str:
+        d = self.manifest_dir(node)
+        self._ensure_dir(d)
+        dest = os.path.join(d, f"{seq:016x}.manifest")
+        self._op("create")
+        self._op("fsync")
+        self._op("rename")
+        self._op("fsync_dir")
+        layout.publish_bytes(dest, data)
+        return dest
+
+    def delete_object(self, node: str, seg: int) -> None:
+        self._op("unlink")
+        try:
+            os.unlink(self.object_path(node, seg))
+        except FileNotFoundError:
+            pass
+
+    def prune_manifests(self, node: str, keep: int = 2) -> None:
+        names = self.list_manifests(node)
+        for seq in names[:-keep]:
+            self._op("unlink")
+            try:
+                os.unlink(os.path.join(self.manifest_dir(node), f"{seq:016x}.manifest"))
+            except FileNotFoundError:
+                pass
+
+    def clean_temp(self, node: str) -> int:
+        """Remove this node's half-written temporary files left by a crash."""
+        n = 0
+        for d in (os.path.join(self.root, "objects", node), self.manifest_dir(node)):
+            try:
+                names = os.listdir(d)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.startswith(".tmp."):
+                    os.unlink(os.path.join(d, name))
+                    self._op("unlink")
+                    n += 1
+        return n
+
+    # --- reading --------------------------------------------------------------------------
+
+    def nodes(self) -> list[str]:
+        self._op("listdir")
+        try:
+            names = os.listdir(os.path.join(self.root, "manifests"))
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if NODE_RE.match(n))
+
+    def list_manifests(self, node: str) -> list[int]:
+        self._op("listdir")
+        try:
+            names = os.listdir(self.manifest_dir(node))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1), 16) for n in names if (m := MAN_RE.match(n)))
+
+    def list_objects(self, node: str) -> list[int]:
+        self._op("listdir")
+        try:
+            names = os.listdir(os.path.join(self.root, "objects", node))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1), 16) for n in names if (m := OBJ_RE.match(n)))
+
+    def all_object_nodes(self) -> list[str]:
+        try:
+            names = os.listdir(os.path.join(self.root, "objects"))
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if NODE_RE.match(n))
+
+    def get_manifest(self, node: str, seq: int) -> bytes:
+        self._op("open")
+        with open(os.path.join(self.manifest_dir(node), f"{seq:016x}.manifest"), "rb") as f:
+            return f.read()
+
+    def read_range(self, node: str, seg: int, offset: int, length: int) -> bytes:
+        path = self.object_path(node, seg)
+        with self._read_lock:
+            fd = self._read_fds.get(path)
+            if fd is None:
+                self._op("open")
+                fd = os.open(path, os.O_RDONLY)
+                if len(self._read_fds) > 256:
+                    for old in list(self._read_fds.values()):
+                        os.close(old)
+                    self._read_fds.clear()
+                self._read_fds[path] = fd
+        data = os.pread(fd, length, offset)
+        self.bytes_read += len(data)
+        return data
+
+    def object_size(self, node: str, seg: int) -> int:
+        try:
+            return os.path.getsize(self.object_path(node, seg))
+        except FileNotFoundError:
+            raise SharedError(f"object {node}/{fmt.segment_name(seg)} is missing") from None
+
+    def iter_object(self, node: str, seg: int) -> Iterator[bytes]:
+        with open(self.object_path(node, seg), "rb", buffering=0) as f:
+            while True:
+                b = f.read(COPY_CHUNK)
+                if not b:
+                    return
+                yield b
+
+    def close(self) -> None:
+        with self._read_lock:
+            for fd in self._read_fds.values():
+                os.close(fd)
+            self._read_fds.clear()
+
+
+def describe_oserror(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno or 0, "")
+    where = f" {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{where}" + (f" ({name})" if name else "")
