@@ -78,6 +78,7 @@ def check_mountpoint(mnt: str) -> None:
 
 
 def cmd_mount(a: argparse.Namespace) -> int:
+    from ckptfs.cache import CacheConfig
     from ckptfs.daemon import MountConfig, run_foreground
 
     nvme, shared, mnt = (os.path.abspath(p) for p in (a.nvme, a.shared, a.mountpoint))
@@ -85,10 +86,18 @@ def cmd_mount(a: argparse.Namespace) -> int:
         if not os.path.isdir(d):
             raise CliError(f"{what} directory {d} does not exist")
     check_mountpoint(mnt)
+    if not 0 < a.low_watermark <= a.high_watermark <= 1:
+        raise CliError("watermarks must satisfy 0 < --low-watermark <= --high-watermark <= 1")
+    if a.upload_streams < 1:
+        raise CliError("--upload-streams must be at least 1")
+    if a.segment_size < (1 << 20):
+        raise CliError("--segment-size must be at least 1M")
     cfg = MountConfig(nvme=nvme, shared=shared, mountpoint=mnt, segment_size=a.segment_size,
                       seal_idle=a.seal_idle, allow_other=a.allow_other,
                       upload_streams=a.upload_streams, upload_limit=a.upload_limit,
-                      metrics_port=a.metrics_port)
+                      metrics_port=a.metrics_port, refresh_interval=a.refresh_interval,
+                      cache=CacheConfig(a.high_watermark, a.low_watermark, a.cache_size,
+                                        a.enospc_timeout))
     if a.node_id:
         cfg.node_id = a.node_id
     if a.foreground:
@@ -146,6 +155,9 @@ def _daemonize(a: argparse.Namespace, mnt: str, nvme: str) -> int:
 
 def _forwarded_args(a: argparse.Namespace) -> list[str]:
     out = ["--segment-size", str(a.segment_size), "--seal-idle", str(a.seal_idle),
+           "--high-watermark", str(a.high_watermark), "--low-watermark", str(a.low_watermark),
+           "--cache-size", str(a.cache_size), "--enospc-timeout", str(a.enospc_timeout),
+           "--refresh-interval", str(a.refresh_interval),
            "--log-level", a.log_level, "--upload-streams", str(a.upload_streams),
            "--upload-limit", str(a.upload_limit), "--metrics-port", str(a.metrics_port)]
     if a.node_id:
@@ -246,10 +258,23 @@ def cmd_replay(a: argparse.Namespace) -> int:
     nvme = os.path.abspath(a.nvme)
     if not os.path.isdir(os.path.join(nvme, layout.SEGMENT_DIR)):
         raise CliError(f"{nvme} holds no ckptfs log (no {layout.SEGMENT_DIR}/ directory)")
+    store = None
+    if a.shared:
+        from ckptfs.shared import SharedStore
+
+        store = SharedStore(os.path.abspath(a.shared))
+    ident: dict = {}
+    try:
+        with open(os.path.join(nvme, layout.IDENTITY_FILE)) as f:
+            ident = json.load(f)
+    except (OSError, ValueError):
+        pass
     lock = NvmeLock(nvme)
     lock.acquire()
     try:
-        index, seglog, rep = open_state(nvme, "replay", 256 << 20, full_replay=not a.tail)
+        index, seglog, rep = open_state(
+            nvme, ident.get("node", "replay"), 256 << 20, full_replay=not a.tail, store=store,
+            first_seg=ident.get("first_segment") if store is not None else None)
         index.close(commit=True)
         seglog.close()
     finally:
@@ -401,6 +426,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drain bandwidth cap in MB/s (0 = none)")
     m.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port (0 = off)")
+    m.add_argument("--high-watermark", type=float, default=0.85,
+                   help="evict published segments above this NVMe usage (default 0.85)")
+    m.add_argument("--low-watermark", type=float, default=0.70,
+                   help="...until usage is below this (default 0.70)")
+    m.add_argument("--cache-size", type=parse_size, default=0,
+                   help="cap on local segment bytes, e.g. 50G (default: the filesystem)")
+    m.add_argument("--enospc-timeout", type=positive_float, default=60.0,
+                   help="writers wait this long for space before ENOSPC (default 60)")
+    m.add_argument("--refresh-interval", type=positive_float, default=5.0,
+                   help="seconds between reads of other nodes' manifests (default 5)")
     m.add_argument("--allow-other", action="store_true",
                    help="let other users use the mount (permissions enforced as on ext4)")
     m.add_argument("--log-level", default="info",
@@ -420,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Rebuild NVME's index from its log (no daemon may be "
                                    "running on NVME). Exit 1 if corruption was found.")
     r.add_argument("nvme", metavar="NVME")
+    r.add_argument("--shared", metavar="SHARED",
+                   help="the shared store: segments evicted from NVME are replayed from it")
     r.add_argument("--tail", action="store_true",
                    help="only replay beyond the index's last commit (what a mount does)")
     r.add_argument("--json", action="store_true", help="machine-readable report")

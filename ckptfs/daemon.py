@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import trio
 from ckptfs import control, layout
 from ckptfs.errors import CliError
 from ckptfs.fs import Operations
+from ckptfs.cache import CacheConfig, LocalCache
 from ckptfs.drain import Drain
 from ckptfs.index import Index, SegState
 from ckptfs.remote import Refresher, fetch_manifests
@@ -34,7 +36,7 @@ class MountConfig:
     nvme: str
     shared: str
     mountpoint: str
-    node_id: str = field(default_factory=socket.gethostname)
+    node_id: str = ""  # default: the NVME directory's identity, else the hostname
     segment_size: int = 256 << 20
     seal_idle: float = 5.0
     commit_interval: float = 1.0
@@ -43,6 +45,7 @@ class MountConfig:
     upload_limit: float = 0.0  # MB/s, 0 = unlimited
     metrics_port: int = 0
     refresh_interval: float = 5.0
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
 
 class NvmeLock:
@@ -74,12 +77,39 @@ class NvmeLock:
             self.fd = -1
 
 
+def identity(nvme: str, node_id: str | None, first_seg: int) -> dict:
+    """NVME's identity file: which node it belongs to and its first segment id.
+
+    Created on first mount. A later mount with another --node-id is refused: its objects on
+    SHARED are named after the node.
+    """
+    path = os.path.join(nvme, layout.IDENTITY_FILE)
+    try:
+        with open(path) as f:
+            ident = json.load(f)
+        if node_id and ident.get("node") != node_id:
+            raise CliError(f"{nvme} belongs to node {ident.get('node')!r}; mount it with "
+                           f"--node-id {ident.get('node')} (or use an empty NVME directory)")
+        return ident
+    except FileNotFoundError:
+        pass
+    except (ValueError, AttributeError):
+        raise CliError(f"{path} is unreadable; it says which node this directory belongs "
+                       f"to") from None
+    ident = {"node": node_id or socket.gethostname(), "first_segment": first_seg,
+             "created_ns": time.time_ns()}
+    layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
+    return ident
+
+
 def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = False,
-               store: SharedStore | None = None) -> tuple[Index, SegmentLog, object]:
+               store: SharedStore | None = None,
+               first_seg: int | None = None) -> tuple[Index, SegmentLog, object]:
     """Open the index and the log and bring the index up to the end of the log."""
     index = Index(os.path.join(nvme, layout.INDEX_DIR))
     seglog = SegmentLog(os.path.join(nvme, layout.SEGMENT_DIR), node_id, segment_size)
-    rep = replay(index, seglog, full=full_replay, store=store, node=node_id)
+    rep = replay(index, seglog, full=full_replay, store=store, node=node_id,
+                 first_seg=first_seg)
     return index, seglog, rep
 
 
@@ -100,15 +130,22 @@ class Daemon:
         if not os.path.exists("/dev/fuse"):
             raise CliError("/dev/fuse is missing: load the fuse module or run the container "
                            "with --device /dev/fuse")
+        self.lock.acquire()
+        layout.init_shared(cfg.shared)
+        self.store = SharedStore(cfg.shared)
+        try:
+            objs = self.store.list_objects(cfg.node_id or socket.gethostname())
+        except OSError:
+            objs = []
+        ident = identity(cfg.nvme, cfg.node_id, max(objs, default=0) + 1)
+        cfg.node_id = ident["node"]
         try:
             check_node_id(cfg.node_id)
         except SharedError as e:
             raise CliError(str(e)) from None
-        self.lock.acquire()
-        layout.init_shared(cfg.shared)
-        self.store = SharedStore(cfg.shared)
         self.index, self.seglog, self.replay_report = open_state(
-            cfg.nvme, cfg.node_id, cfg.segment_size, store=self.store)
+            cfg.nvme, cfg.node_id, cfg.segment_size, store=self.store,
+            first_seg=int(ident.get("first_segment", 1)))
         rep = self.replay_report
         if rep.records or rep.corruption:
             log.info("replayed %d records from %d segments in %.2fs%s", rep.records,
@@ -136,7 +173,16 @@ class Daemon:
             log.info("purged %d orphaned inodes (unlinked while open before a crash)", n)
         self.drain = Drain(cfg.nvme, cfg.node_id, self.index, self.store, self.seglog.path,
                            self.commit_index, cfg.upload_streams, cfg.upload_limit)
-        self.seglog.on_seal = lambda seg, size, reason: self.drain.enqueue(seg)
+        self.cache = LocalCache(cfg.nvme, self.index, self.reader, self.seglog.path,
+                                lambda: self.seglog.tail if self.seglog.fd >= 0 else 0,
+                                cfg.cache)
+        self.ns.cache = self.cache
+
+        def sealed(seg: int, size: int, reason: str) -> None:
+            self.drain.enqueue(seg)
+            self.cache.sealed(size)
+
+        self.seglog.on_seal = sealed
         self.refresher = Refresher(self.ns, self.store, cfg.node_id,
                                    own_seq_floor=self.drain.published_seq,
                                    interval=cfg.refresh_interval)
@@ -171,6 +217,7 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.drain.run)
             nursery.start_soon(self.refresher.run)
+            nursery.start_soon(self.cache.run, self.drain.kick)
             nursery.start_soon(self._commit_loop)
             nursery.start_soon(self._idle_seal_loop)
             nursery.start_soon(self._signals)
@@ -251,6 +298,9 @@ class Daemon:
             if target > self.drain.manifest_seq:
                 await self.drain.wait_seq(target, timeout, progress)
             return {"published_seq": self.drain.manifest_seq}
+        if op == "evict":  # operators and tests: drop every published local copy now
+            return {"evicted": self.cache.evict_all() if req.get("all") else
+                    self.cache.evict_to(self.cfg.cache.low)}
         if op == "refresh":
             n = await self.refresher.refresh()
             return {"changes": n}
@@ -306,6 +356,7 @@ class Daemon:
             "shared_bytes_read": self.store.bytes_read,
             "last_error": self.drain.stats.last_error,
             "remote": self.refresher.status(),
+            "cache": self.cache.status(),
             "corrupt_reads": self.reader.corrupt_reads,
             "replay": self.replay_report.as_dict(),
         }

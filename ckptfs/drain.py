@@ -86,6 +86,9 @@ class Drain:
 
     # --- entry points -------------------------------------------------------------------
 
+    def kick(self) -> None:
+        self._kick.set()
+
     def enqueue(self, seg: int) -> None:
         if seg not in self._queued:
             self._queued.add(seg)

@@ -8,6 +8,7 @@ import os
 SEGMENT_DIR = "segments"
 INDEX_DIR = "index"
 LOCK_FILE = "ckptfs.lock"
+IDENTITY_FILE = "ckptfs.json"
 CONTROL_SOCKET = "control.sock"
 
 SHARED_ROOT = "ckptfs"

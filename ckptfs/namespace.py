@@ -52,7 +52,7 @@ class Namespace:
         self.opens: dict[int, int] = {}  # open file handles per inode
         self.ops = OpCounts()
         self.last_write_ns = 0
-        self.seglog_on_seal = None
+        self.cache = None  # LocalCache, set by the daemon
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -297,7 +297,10 @@ class Namespace:
             return [], node.size, True
         exts = self.index.extents_in(ino, off, end)
         local = True
+        touch = self.cache.touch if self.cache is not None else None
         for e in exts:
+            if touch is not None:
+                touch(e.seg)
             if not self.reader.is_local(e):
                 local = False
                 if e.seg & VSEG_BIT and e.seg not in self.reader.objrefs:

@@ -13,10 +13,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState
 from ckptfs.log import SegmentLog
+from ckptfs.shared import SharedError
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +43,67 @@ class ReplayReport:
         return dict(self.__dict__)
 
 
-def replay(index: Index, seglog: SegmentLog, full: bool = False, store: object = None,
-           node: str = "") -> ReplayReport:
-    """Apply the log beyond the index's last commit (or all of it with full=True)."""
+def _replay_published(index: Index, store: Any, node: str, seg: int, start: int,
+                      rep: ReplayReport) -> int:
+    """Replay a segment whose local copy was evicted from its object on SHARED."""
+    name = f"{node}/{fmt.segment_name(seg)}"
+    last_seq = 0
+    try:
+        size = store.object_size(node, seg)
+        sealed = fmt.SealedSegment(name, size, lambda o, n: store.read_range(node, seg, o, n))
+        for rec in sealed.records():
+            if rec.pos >= start:
+                index.apply(seg, rec)
+                rep.records += 1
+                rep.bytes_scanned += rec.size
+            last_seq = rec.seq
+        index.applied = (seg, size, sealed.seal_seq)
+        index.set_segment(seg, SegState.EVICTED, size=size, sealed_ns=time.time_ns())
+        return sealed.seal_seq
+    except (OSError, fmt.CorruptRecord, SharedError) as e:
+        rep.corruption.append(f"{name}: cannot replay the published copy: {e}")
+        log.error("%s", rep.corruption[-1])
+        return last_seq
+
+
+def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = None,
+           node: str = "", first_seg: int | None = None) -> ReplayReport:
+    """Apply the log beyond the index's last commit (or all of it with full=True).
+
+    Segments of this NVMe directory (ids from first_seg on) that are not on local disk any
+    more were evicted after publishing: they are replayed from their objects on SHARED.
+    """
     t0 = time.monotonic()
     rep = ReplayReport(full=full)
     if full:
         index.wipe()
-    ids = seglog.existing()
+    local = seglog.existing()
+    local_set = set(local)
+    remote: list[int] = []
+    if store is not None and first_seg is not None:
+        try:
+            remote = [s for s in store.list_objects(node)
+                      if s >= first_seg and s not in local_set]
+        except OSError as e:
+            log.warning("cannot list published segments on SHARED: %s", e)
+    ids = sorted(local_set | set(remote))
     rep.segments = len(ids)
     a_seg, a_pos, a_seq = index.applied
     seglog.seq = max(seglog.seq, a_seq)
-    for i, seg in enumerate(ids):
+    for seg in ids:
         if seg < a_seg:
             continue
+        if seg not in local_set:
+            st = index.get_segment(seg)
+            if seg == a_seg and st is not None and a_pos >= st[1]:
+                continue
+            start = a_pos if seg == a_seg else fmt.SEGMENT_HEADER_SIZE
+            rep.segments_replayed += 1
+            seglog.seq = max(seglog.seq, _replay_published(index, store, node, seg, start, rep))
+            a_pos = fmt.SEGMENT_HEADER_SIZE
+            continue
         path = seglog.path(seg)
-        newest = i == len(ids) - 1
+        newest = seg == local[-1]
         start = a_pos if seg == a_seg else fmt.SEGMENT_HEADER_SIZE
         with open(path, "rb") as f:
             head = f.read(fmt.SEGMENT_HEADER_SIZE)
