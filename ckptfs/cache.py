@@ -62,8 +62,8 @@ class LocalCache:
         self.local_bytes = self._count_local()
 
     def _count_local(self) -> int:
-        return sum(size for _s, (st, size, _d, _t) in self.index.iter_segments()
-                   if st != SegState.EVICTED)
+        return sum(i.size for _s, i in self.index.iter_segments()
+                   if i.state not in (SegState.EVICTED, SegState.ACTIVE))
 
     # --- measuring ------------------------------------------------------------------------
 
@@ -90,11 +90,12 @@ class LocalCache:
     def candidates(self) -> list[tuple[int, int]]:
         prot = self.protected()
         out = []
-        for seg, (state, size, _d, sealed_ns) in self.index.iter_segments():
-            if state == SegState.PUBLISHED:
+        for seg, i in self.index.iter_segments():
+            if i.state == SegState.PUBLISHED:
                 # LRU: last read, else when sealed; protected (newest checkpoint) last
-                key = self.last_access.get(seg, sealed_ns / 1e9 - time.time() + time.monotonic())
-                out.append((1 if seg in prot else 0, key, seg, size))
+                key = self.last_access.get(seg,
+                                           i.sealed_ns / 1e9 - time.time() + time.monotonic())
+                out.append((1 if seg in prot else 0, key, seg, i.size))
         out.sort()
         return [(seg, size) for _p, _k, seg, size in out]
 

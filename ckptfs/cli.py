@@ -80,6 +80,7 @@ def check_mountpoint(mnt: str) -> None:
 def cmd_mount(a: argparse.Namespace) -> int:
     from ckptfs.cache import CacheConfig
     from ckptfs.daemon import MountConfig, run_foreground
+    from ckptfs.retention import DEFAULT_MARKERS, DEFAULT_RETAIN, RetentionConfig
 
     nvme, shared, mnt = (os.path.abspath(p) for p in (a.nvme, a.shared, a.mountpoint))
     for what, d in (("NVME", nvme), ("SHARED", shared)):
@@ -97,7 +98,14 @@ def cmd_mount(a: argparse.Namespace) -> int:
                       upload_streams=a.upload_streams, upload_limit=a.upload_limit,
                       metrics_port=a.metrics_port, refresh_interval=a.refresh_interval,
                       cache=CacheConfig(a.high_watermark, a.low_watermark, a.cache_size,
-                                        a.enospc_timeout))
+                                        a.enospc_timeout),
+                      retention=RetentionConfig(
+                          tuple(a.retain) if a.retain else DEFAULT_RETAIN,
+                          tuple(a.marker) if a.marker else DEFAULT_MARKERS,
+                          a.keep_local, a.keep_shared),
+                      gc_grace=a.gc_grace)
+    if a.keep_local < 0 or a.keep_shared < 0:
+        raise CliError("--keep-local and --keep-shared must not be negative")
     if a.node_id:
         cfg.node_id = a.node_id
     if a.foreground:
@@ -158,10 +166,16 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
            "--high-watermark", str(a.high_watermark), "--low-watermark", str(a.low_watermark),
            "--cache-size", str(a.cache_size), "--enospc-timeout", str(a.enospc_timeout),
            "--refresh-interval", str(a.refresh_interval),
+           "--keep-local", str(a.keep_local), "--keep-shared", str(a.keep_shared),
+           "--gc-grace", str(a.gc_grace),
            "--log-level", a.log_level, "--upload-streams", str(a.upload_streams),
            "--upload-limit", str(a.upload_limit), "--metrics-port", str(a.metrics_port)]
     if a.node_id:
         out += ["--node-id", a.node_id]
+    for g in a.retain or []:
+        out += ["--retain", g]
+    for g in a.marker or []:
+        out += ["--marker", g]
     if a.allow_other:
         out.append("--allow-other")
     return out
@@ -285,7 +299,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
         print(json.dumps(d, indent=2))
     else:
         print(f"replayed {rep.records} records from {rep.segments_replayed} of {rep.segments} "
-              f"segments ({rep.bytes_scanned / 1e6:.1f} MB) in {rep.seconds:.2f}s")
+              f"segments ({rep.bytes_scanned / 1e6:.1f} MB) in {rep.seconds:.2f}s"
+              + (" starting from the index snapshot" if rep.from_snapshot else ""))
         print(f"namespace: {rep.files} files ({rep.file_bytes / 1e6:.1f} MB), "
               f"{rep.directories} directories")
         if rep.torn_tail:
@@ -436,6 +451,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="writers wait this long for space before ENOSPC (default 60)")
     m.add_argument("--refresh-interval", type=positive_float, default=5.0,
                    help="seconds between reads of other nodes' manifests (default 5)")
+    m.add_argument("--retain", action="append", metavar="GLOB",
+                   help="top-level directories that are checkpoints (repeatable; default "
+                        "step_*, checkpoint-*, global_step*)")
+    m.add_argument("--marker", action="append", metavar="GLOB",
+                   help="commit marker file names (repeatable; default .metadata, "
+                        "trainer_state.json, latest)")
+    m.add_argument("--keep-local", type=int, default=0, metavar="N",
+                   help="keep the newest N checkpoints on NVMe, evict older ones once "
+                        "published (default 0: watermarks only)")
+    m.add_argument("--keep-shared", type=int, default=0, metavar="M",
+                   help="keep the newest M complete checkpoints, delete older ones from the "
+                        "namespace and SHARED (default 0: keep all)")
+    m.add_argument("--gc-grace", type=positive_float, default=60.0,
+                   help="seconds an object stays unreferenced before it is deleted (default 60)")
     m.add_argument("--allow-other", action="store_true",
                    help="let other users use the mount (permissions enforced as on ext4)")
     m.add_argument("--log-level", default="info",

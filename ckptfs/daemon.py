@@ -20,6 +20,8 @@ from ckptfs.errors import CliError
 from ckptfs.fs import Operations
 from ckptfs.cache import CacheConfig, LocalCache
 from ckptfs.drain import Drain
+from ckptfs.gc import Collector
+from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.index import Index, SegState
 from ckptfs.remote import Refresher, fetch_manifests
 from ckptfs.shared import SharedError, SharedStore, check_node_id
@@ -46,6 +48,8 @@ class MountConfig:
     metrics_port: int = 0
     refresh_interval: float = 5.0
     cache: CacheConfig = field(default_factory=CacheConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    gc_grace: float = 60.0
 
 
 class NvmeLock:
@@ -105,11 +109,20 @@ def identity(nvme: str, node_id: str | None, first_seg: int) -> dict:
 def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = False,
                store: SharedStore | None = None,
                first_seg: int | None = None) -> tuple[Index, SegmentLog, object]:
-    """Open the index and the log and bring the index up to the end of the log."""
+    """Open the index and the log and bring the index up to the end of the log.
+
+    A full replay starts from the newest index snapshot if there is one (segments before it
+    may have been garbage collected) and from the first segment otherwise."""
+    from_snapshot = False
+    if full_replay:
+        from ckptfs.gc import restore_snapshot
+
+        from_snapshot = restore_snapshot(nvme, os.path.join(nvme, layout.INDEX_DIR))
     index = Index(os.path.join(nvme, layout.INDEX_DIR))
     seglog = SegmentLog(os.path.join(nvme, layout.SEGMENT_DIR), node_id, segment_size)
-    rep = replay(index, seglog, full=full_replay, store=store, node=node_id,
-                 first_seg=first_seg)
+    rep = replay(index, seglog, full=full_replay and not from_snapshot, store=store,
+                 node=node_id, first_seg=first_seg)
+    rep.from_snapshot = from_snapshot
     return index, seglog, rep
 
 
@@ -162,8 +175,8 @@ class Daemon:
         self.seglog.id_floor = max(objs, default=0)
         self.seglog.seq = max(self.seglog.seq, max(mans, default=0))
         self.reader = Reader(self.seglog.path, cfg.node_id, self.store)
-        for seg, (state, _size, _d, _t) in self.index.iter_segments():
-            if state == SegState.EVICTED:
+        for seg, info in self.index.iter_segments():
+            if info.state == SegState.EVICTED:
                 self.reader.evicted.add(seg)
         self.ns = Namespace(self.index, self.seglog, self.reader)
         st = os.stat(cfg.mountpoint)
@@ -183,12 +196,17 @@ class Daemon:
             self.cache.sealed(size)
 
         self.seglog.on_seal = sealed
+        self.retention = Retention(self.ns, cfg.retention)
+        self.cache.protected = lambda: self.retention.protected
+        self.gc = Collector(cfg.nvme, cfg.node_id, self.index, self.drain, self.store,
+                            self.seglog.path, self.reader.forget, self.commit_index,
+                            grace=cfg.gc_grace)
         self.refresher = Refresher(self.ns, self.store, cfg.node_id,
                                    own_seq_floor=self.drain.published_seq,
                                    interval=cfg.refresh_interval)
         try:
             found = fetch_manifests(self.store, {})
-            self.refresher.apply_all(found)
+            self.refresher.apply_all(found, at_mount=True)
         except OSError as e:
             log.warning("cannot read manifests from the shared store at mount: %s", e)
         self.index.commit()
@@ -218,6 +236,8 @@ class Daemon:
             await nursery.start(self.drain.run)
             nursery.start_soon(self.refresher.run)
             nursery.start_soon(self.cache.run, self.drain.kick)
+            nursery.start_soon(self._retention_loop)
+            nursery.start_soon(self._gc_loop)
             nursery.start_soon(self._commit_loop)
             nursery.start_soon(self._idle_seal_loop)
             nursery.start_soon(self._signals)
@@ -232,6 +252,38 @@ class Daemon:
             await trio.sleep(0.05)
             if tune_read_ahead(self.cfg.mountpoint):
                 return
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await trio.sleep(2.0)
+            try:
+                self.retention_pass()
+            except Exception:
+                log.exception("retention pass failed; will try again")
+
+    def retention_pass(self) -> dict:
+        from ckptfs.index import ROOT_INO
+
+        res = self.retention.run_once()
+        for name in res["deleted"]:
+            try:
+                pyfuse3.invalidate_entry_async(ROOT_INO, os.fsencode(name))
+            except Exception:
+                pass
+        for seg in sorted(res["evictable"]):
+            info = self.index.get_segment(seg)
+            if info is not None and info.state == SegState.PUBLISHED:
+                self.cache.evict(seg, info.size)
+        return res
+
+    async def _gc_loop(self) -> None:
+        while True:
+            await trio.sleep(self.gc.interval)
+            try:
+                await self.gc.collect()
+                await self.gc.compact(self.ns)
+            except Exception:
+                log.exception("garbage collection failed; will try again")
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -301,6 +353,12 @@ class Daemon:
         if op == "evict":  # operators and tests: drop every published local copy now
             return {"evicted": self.cache.evict_all() if req.get("all") else
                     self.cache.evict_to(self.cfg.cache.low)}
+        if op == "gc":  # operators and tests: run retention and GC now, without grace
+            res = self.retention_pass()
+            moved = await self.gc.compact(self.ns) if req.get("compact") else 0
+            n = await self.gc.collect(force=True)
+            return {"deleted_checkpoints": res["deleted"], "segments_freed": n,
+                    "compacted_bytes": moved}
         if op == "refresh":
             n = await self.refresher.refresh()
             return {"changes": n}
@@ -327,11 +385,14 @@ class Daemon:
 
         by_state: dict[str, int] = {}
         local_bytes = 0
-        for _seg, (state, size, _dead, _t) in self.index.iter_segments():
-            name = SegState.NAMES.get(state, str(state))
+        live = data = 0
+        for _seg, info in self.index.iter_segments():
+            name = SegState.NAMES.get(info.state, str(info.state))
             by_state[name] = by_state.get(name, 0) + 1
-            if state != SegState.EVICTED:
-                local_bytes += size
+            if info.state != SegState.EVICTED:
+                local_bytes += info.size
+            live += info.live
+            data += info.data
         du = shutil.disk_usage(self.cfg.nvme)
         st = self.seglog.stats
         return {
@@ -357,6 +418,10 @@ class Daemon:
             "last_error": self.drain.stats.last_error,
             "remote": self.refresher.status(),
             "cache": self.cache.status(),
+            "live_data_bytes": live, "segment_data_bytes": data,
+            "segments_dropped": self.drain.stats.segments_dropped,
+            "gc": self.gc.status(),
+            "retention": self.retention.status(),
             "corrupt_reads": self.reader.corrupt_reads,
             "replay": self.replay_report.as_dict(),
         }

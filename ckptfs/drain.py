@@ -43,6 +43,7 @@ class DrainStats:
     segments_uploaded: int = 0
     bytes_uploaded: int = 0
     manifests_published: int = 0
+    segments_dropped: int = 0
     upload_seconds: float = 0.0
     retries: int = 0
     last_error: str | None = None
@@ -80,11 +81,18 @@ class Drain:
         self._queued: set[int] = set()
         self._thread_limiter = trio.CapacityLimiter(self.streams)
         self.in_flight: dict[int, int] = {}  # seg -> bytes copied so far
+        self.dropped: set[int] = {s for s, i in index.iter_segments()
+                                  if i.state == SegState.DROPPED}
         self.waiters = 0
         self.manifest_interval = 5.0
         self._last_manifest = 0.0
 
     # --- entry points -------------------------------------------------------------------
+
+    async def in_pub(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the published view's thread (LMDB write txns are thread-bound)."""
+        fut = self._pub_thread.submit(fn)
+        return await trio.to_thread.run_sync(fut.result)
 
     def kick(self) -> None:
         self._kick.set()
@@ -96,8 +104,8 @@ class Drain:
 
     def pending(self) -> list[tuple[int, int]]:
         """(seg, size) of segments not yet published, in order."""
-        return [(seg, size) for seg, (state, size, _d, _t) in self.index.iter_segments()
-                if state in (SegState.SEALED, SegState.UPLOADING)]
+        return [(seg, i.size) for seg, i in self.index.iter_segments()
+                if i.state in (SegState.SEALED, SegState.UPLOADING)]
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         removed = await self._retrying("clean temp files", self.store.clean_temp, self.node)
@@ -173,10 +181,18 @@ class Drain:
 
     async def _upload(self, seg: int) -> None:
         st = self.index.get_segment(seg)
-        if st is None or st[0] not in (SegState.SEALED, SegState.UPLOADING):
+        if st is None or st.state not in (SegState.SEALED, SegState.UPLOADING):
             return
-        size = st[1]
-        if st[0] == SegState.SEALED:
+        size = st.size
+        if st.data > 0 and st.live == 0:
+            # superseded: everything it holds was deleted or overwritten before it left; the
+            # records stay on NVMe for replay and the published view, no object is made
+            self.index.set_segment(seg, SegState.DROPPED)
+            self.stats.segments_dropped += 1
+            log.info("dropped segment %s from the drain (%d bytes, all data superseded)",
+                     fmt.segment_name(seg), size)
+            return
+        if st.state == SegState.SEALED:
             self.index.set_segment(seg, SegState.UPLOADING)
             await self.commit()  # intent before the side effect
         t0 = time.monotonic()
@@ -211,16 +227,16 @@ class Drain:
 
     # --- the published view and its manifest ----------------------------------------------
 
-    def _ready_segments(self) -> list[tuple[int, int]]:
+    def _ready_segments(self) -> list[tuple[int, int, bool]]:
         """Published segments after the published view, up to the first one that is not."""
         last = self.pub.applied[0]
         out = []
-        for seg, (state, size, _d, _t) in self.index.iter_segments():
+        for seg, i in self.index.iter_segments():
             if seg <= last:
                 continue
-            if state not in (SegState.PUBLISHED, SegState.EVICTED):
+            if i.state not in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED):
                 break
-            out.append((seg, size))
+            out.append((seg, i.size, i.state == SegState.DROPPED))
         return out
 
     async def _publisher(self) -> None:
@@ -257,9 +273,12 @@ class Drain:
         return fmt.SealedSegment(name, size, lambda o, n: self.store.read_range(
             self.node, seg, o, n)), -1
 
-    def _advance(self, ready: list[tuple[int, int]], want_manifest: bool) -> None:
+    def _advance(self, ready: list[tuple[int, int, bool]], want_manifest: bool) -> None:
         """Published-view thread: apply newly published segments, publish the manifest."""
-        for seg, size in ready:
+        for seg, size, dropped in ready:
+            if dropped:
+                self.dropped.add(seg)
+            self.pub.set_segment(seg, SegState.PUBLISHED, size=size)
             sealed, fd = self._open_sealed(seg, size)
             try:
                 for rec in sealed.records():
@@ -272,9 +291,15 @@ class Drain:
             self.published_seq = sealed.seal_seq
         if not want_manifest or self.published_seq <= self.manifest_seq:
             return
-        objects = {manifest.obj_name(self.node, s): {"size": st[1]}
-                   for s, st in self.pub.iter_segments()}
-        data = manifest.build(self.pub, self.node, self.published_seq, objects, time.time_ns())
+        objects = {manifest.obj_name(self.node, s): {"size": i.size}
+                   for s, i in self.pub.iter_segments() if s not in self.dropped}
+        try:
+            data = manifest.build(self.pub, self.node, self.published_seq, objects,
+                                  time.time_ns(), self.dropped)
+        except manifest.NotYet as e:
+            log.debug("manifest deferred: %s", e)
+            self.pub.commit()
+            return
         self.store.put_manifest(self.node, self.published_seq, data)
         self.pub.commit()
         self.store.prune_manifests(self.node, keep=2)

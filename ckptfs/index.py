@@ -14,7 +14,8 @@ Databases (keys big-endian so that LMDB's byte order is numeric order):
     dirents    parent u64 + name -> child ino u64, cookie u64
     cookies    parent u64 + cookie u64 -> name       (readdir order and resumable offsets)
     extents    ino u64 + file offset u64 -> EXTENT struct
-    segments   seg u64 -> SEGMENT struct (state, size, dead bytes)
+    segments   seg u64 -> SEGMENT struct (state, size, dead data bytes, sealed time,
+               data bytes): live data = data - dead
     xattrs     ino u64 + name -> value
     objrefs    vseg u64 -> b"node/segment-id-hex" (published objects that imported files use;
                vseg ids have the top bit set so they never collide with local segment ids)
@@ -47,12 +48,30 @@ INODE = struct.Struct("<IIIIIIQqqq")
 # segment id, record position, skip into payload, length, payload length of the record
 EXTENT = struct.Struct("<QQIII")
 DIRENT = struct.Struct("<QQ")
-# state u8, pad, size u64, dead bytes u64, sealed time_ns i64
-SEGMENT = struct.Struct("<B7xQQq")
+# state u8, pad, size u64, dead bytes u64, sealed time_ns i64, data bytes u64
+SEGMENT = struct.Struct("<B7xQQqQ")
 APPLIED = struct.Struct("<QQQ")
 
 ROOT_INO = 1
 VSEG_BIT = 1 << 63
+
+
+def read_applied(path: str) -> tuple[int, int, int] | None:
+    """The log position an index (or a snapshot of one) reflects, without opening it for
+    writing."""
+    try:
+        env = lmdb.open(path, readonly=True, max_dbs=12, lock=False)
+    except lmdb.Error:
+        return None
+    try:
+        meta = env.open_db(b"meta", create=False)
+        with env.begin(db=meta) as txn:
+            raw = txn.get(b"applied")
+        return APPLIED.unpack(raw) if raw else None
+    except lmdb.Error:
+        return None
+    finally:
+        env.close()
 
 
 class SegState:
@@ -61,7 +80,22 @@ class SegState:
     UPLOADING = 2
     PUBLISHED = 3
     EVICTED = 4  # published and the local copy is gone
-    NAMES = {0: "active", 1: "sealed", 2: "uploading", 3: "published", 4: "evicted"}
+    DROPPED = 5  # all its data died before upload (superseded): never uploaded, kept locally
+    NAMES = {0: "active", 1: "sealed", 2: "uploading", 3: "published", 4: "evicted",
+             5: "dropped"}
+
+
+@dataclass(slots=True)
+class SegInfo:
+    state: int
+    size: int
+    dead: int
+    sealed_ns: int
+    data: int
+
+    @property
+    def live(self) -> int:
+        return max(0, self.data - self.dead)
 
 
 @dataclass(slots=True)
@@ -141,7 +175,8 @@ class Index:
         self.applied = APPLIED.unpack(raw) if raw else (0, 0, 0)
         raw = self.txn.get(b"next_ino", db=self.meta)
         self.next_ino = U64.unpack(raw)[0] if raw else ROOT_INO + 1
-        self._dead: dict[int, int] = {}
+        self._dead: dict[int, int] = {}  # per segment, not yet in the segments db
+        self._data: dict[int, int] = {}
 
     # --- transactions -------------------------------------------------------------------
 
@@ -169,6 +204,7 @@ class Index:
         self.applied = (0, 0, 0)
         self.next_ino = ROOT_INO + 1
         self._dead.clear()
+        self._data.clear()
 
     # --- inodes ---------------------------------------------------------------------------
 
@@ -259,6 +295,11 @@ class Index:
                 out.append(self._ext(k, v))
         return out
 
+    def iter_all_extents(self) -> Iterator[tuple[int, Extent]]:
+        with self.txn.cursor(db=self.extents) as c:
+            for k, v in c:
+                yield KEY2.unpack(k)[0], self._ext(k, v)
+
     def iter_extents(self, ino: int) -> Iterator[Extent]:
         with self.txn.cursor(db=self.extents) as c:
             if not c.set_range(k_ext(ino, 0)):
@@ -289,30 +330,50 @@ class Index:
 
     # --- segments -------------------------------------------------------------------------
 
-    def get_segment(self, seg: int) -> tuple[int, int, int, int] | None:
+    def get_segment(self, seg: int) -> SegInfo | None:
+        self._flush_dead()
         raw = self.txn.get(U64.pack(seg), db=self.segments)
-        return SEGMENT.unpack(raw) if raw is not None else None
+        return SegInfo(*SEGMENT.unpack(raw)) if raw is not None else None
+
+    def _put_segment(self, seg: int, i: SegInfo) -> None:
+        self.txn.put(U64.pack(seg), SEGMENT.pack(i.state, i.size, i.dead, i.sealed_ns, i.data),
+                     db=self.segments)
 
     def set_segment(self, seg: int, state: int, size: int | None = None,
                     sealed_ns: int | None = None) -> None:
-        cur = self.get_segment(seg) or (SegState.ACTIVE, 0, 0, 0)
-        self.txn.put(U64.pack(seg), SEGMENT.pack(
-            state, cur[1] if size is None else size, cur[2],
-            cur[3] if sealed_ns is None else sealed_ns), db=self.segments)
+        cur = self.get_segment(seg) or SegInfo(SegState.ACTIVE, 0, 0, 0, 0)
+        cur.state = state
+        if size is not None:
+            cur.size = size
+        if sealed_ns is not None:
+            cur.sealed_ns = sealed_ns
+        self._put_segment(seg, cur)
 
-    def iter_segments(self) -> Iterator[tuple[int, tuple[int, int, int, int]]]:
+    def drop_segment(self, seg: int) -> None:
+        self.txn.delete(U64.pack(seg), db=self.segments)
+
+    def iter_segments(self) -> Iterator[tuple[int, SegInfo]]:
         self._flush_dead()
         with self.txn.cursor(db=self.segments) as c:
             for k, v in c:
-                yield U64.unpack(k)[0], SEGMENT.unpack(v)
+                yield U64.unpack(k)[0], SegInfo(*SEGMENT.unpack(v))
 
     def _flush_dead(self) -> None:
-        for seg, n in self._dead.items():
-            cur = self.get_segment(seg)
-            if cur is not None:
-                self.txn.put(U64.pack(seg), SEGMENT.pack(cur[0], cur[1], cur[2] + n, cur[3]),
-                             db=self.segments)
-        self._dead.clear()
+        if not self._dead and not self._data:
+            return
+        dead, data = self._dead, self._data
+        self._dead, self._data = {}, {}
+        for seg in set(dead) | set(data):
+            raw = self.txn.get(U64.pack(seg), db=self.segments)
+            if raw is None:
+                if seg & VSEG_BIT:
+                    continue
+                cur = SegInfo(SegState.ACTIVE, 0, 0, 0, 0)
+            else:
+                cur = SegInfo(*SEGMENT.unpack(raw))
+            cur.dead += dead.get(seg, 0)
+            cur.data += data.get(seg, 0)
+            self._put_segment(seg, cur)
 
     # --- xattrs ---------------------------------------------------------------------------
 
@@ -335,7 +396,7 @@ class Index:
     def apply(self, seg: int, rec: Record) -> None:
         """Apply one record. Deterministic: the same records give the same index."""
         t = rec.type
-        if t == RecType.WRITE:
+        if t == RecType.WRITE or t == RecType.RELOC:
             self._apply_write(seg, rec)
         elif t == RecType.CREATE:
             self._apply_create(rec)
@@ -363,15 +424,21 @@ class Index:
     def _apply_write(self, seg: int, rec: Record) -> None:
         ino = self.get_inode(rec.ino)
         if ino is None:  # written after unlink, then purged: the data is dead
+            self._data[seg] = self._data.get(seg, 0) + rec.length
             self._dead[seg] = self._dead.get(seg, 0) + rec.length
             return
-        self._clear_origin(rec.ino)  # modified here: the file is this node's now
+        reloc = rec.type == RecType.RELOC
+        if not reloc:
+            self._clear_origin(rec.ino)  # modified here: the file is this node's now
         off, n = rec.offset, rec.length
         if n:
+            self._data[seg] = self._data.get(seg, 0) + n
             self._punch(rec.ino, off, off + n)
             self._put_ext(rec.ino, Extent(off, seg, rec.pos, 0, n, n))
             if off + n > ino.size:
                 ino.size = off + n
+        if reloc:
+            return  # compaction moved bytes; nothing about the file changed
         ino.mtime_ns = ino.ctime_ns = rec.time_ns
         self.put_inode(ino)
 

@@ -43,6 +43,11 @@ class ManifestError(Exception):
     pass
 
 
+class NotYet(Exception):
+    """The view still names data that was never uploaded (a dropped segment whose deletion the
+    view has not reached yet): no manifest can describe it now."""
+
+
 @dataclass
 class Entry:
     path: str
@@ -102,7 +107,8 @@ def walk(index: Index, skip_foreign_of: str | None = None) -> Iterator[tuple[str
             yield path, node
 
 
-def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_ns: int) -> bytes:
+def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_ns: int,
+          unavailable: set[int] | frozenset[int] = frozenset()) -> bytes:
     """Serialize the (published view) index as node's manifest."""
     entries: list[dict] = []
     used: set[str] = set()
@@ -124,6 +130,8 @@ def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_n
                         raise ManifestError(f"{path}: extent refers to unknown object {x.seg}")
                     obj = obj_name(*ref)
                 else:
+                    if x.seg in unavailable:
+                        raise NotYet(f"{path} still names dropped segment {x.seg}")
                     obj = obj_name(node, x.seg)
                 used.add(obj)
                 ext.append([x.start, x.length, obj, x.rec_pos, x.skip, x.rec_len])

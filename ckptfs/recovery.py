@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class ReplayReport:
     full: bool = False
+    from_snapshot: bool = False
     segments: int = 0
     segments_replayed: int = 0
     records: int = 0
@@ -95,7 +96,7 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             continue
         if seg not in local_set:
             st = index.get_segment(seg)
-            if seg == a_seg and st is not None and a_pos >= st[1]:
+            if seg == a_seg and st is not None and a_pos >= st.size:
                 continue
             start = a_pos if seg == a_seg else fmt.SEGMENT_HEADER_SIZE
             rep.segments_replayed += 1
@@ -123,7 +124,7 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
         size = os.path.getsize(path)
         if start >= size and seg == a_seg:
             st = index.get_segment(seg)
-            if st is None or st[0] != SegState.ACTIVE:
+            if st is None or st.state != SegState.ACTIVE:
                 continue
         rep.segments_replayed += 1
         scan = fmt.ScanResult()
@@ -153,7 +154,7 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             log.warning("%s", rep.torn_tail)
         if scan.sealed:
             st = index.get_segment(seg)
-            if st is None or st[0] == SegState.ACTIVE:
+            if st is None or st.state == SegState.ACTIVE:
                 index.set_segment(seg, SegState.SEALED, size=size, sealed_ns=time.time_ns())
         else:
             # an unsealed segment (the daemon died while it was active): seal it now so that

@@ -109,12 +109,19 @@ class Refresher:
         self.invalidate.clear()
         return n
 
-    def apply_all(self, found: dict[str, manifest.Manifest]) -> int:
+    def apply_all(self, found: dict[str, manifest.Manifest], at_mount: bool = False) -> int:
+        """Import other nodes' manifests. Our own is imported only at mount and only when it
+        is newer than our published view: the NVMe directory lost its state (a fresh disk
+        under an old node id), and the node's published namespace must not vanish."""
         n = 0
         for node, m in sorted(found.items()):
-            if node == self.node and m.seq <= self.own_seq_floor:
+            if node == self.node:
+                if at_mount and m.seq > self.own_seq_floor:
+                    log.info("NVMe state is behind this node's manifest %016x: importing it",
+                             m.seq)
+                    n += self.apply(node, m)
                 self.seen[node] = m.seq
-                continue  # our own namespace is already here
+                continue
             n += self.apply(node, m)
             self.seen[node] = m.seq
         return n

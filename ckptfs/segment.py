@@ -56,9 +56,13 @@ class RecType:
     PURGE = 7  # ino: an unlinked inode's last reference went away; its data is dead
     XATTR = 8  # ino; payload = name len u16 + name + value (value absent => remove)
     IMPORT = 9  # ino; payload = JSON: a file's content as ranges of published objects
+    RELOC = 10  # like WRITE, but moves data (compaction): changes no times, same bytes
 
     NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
-             7: "PURGE", 8: "XATTR", 9: "IMPORT"}
+             7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC"}
+
+
+DATA_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 
 
 # CREATE: parent u64, mode u32, uid u32, gid u32, rdev u32, name_len u16, target_len u16,
@@ -392,7 +396,7 @@ class SealedSegment:
     def records(self, data_payloads: bool = False) -> Iterator[Record]:
         """Every record in order; metadata payloads always, data payloads if asked."""
         for row in self.rows:
-            yield self.record(row, data_payloads or row[1] != RecType.WRITE)
+            yield self.record(row, data_payloads or row[1] not in DATA_TYPES)
 
 
 def footer(seal_pos: int, nrecords: int) -> bytes:

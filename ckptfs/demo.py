@@ -1,0 +1,442 @@
+"""`ckptfs demo`: the whole story on a built-in default, in a throwaway directory.
+
+Mount ckptfs on temporary NVME/SHARED/MNT directories, let `ranks` real processes write a
+DCP-style checkpoint storm (`step_100/__{rank}_{i}.distcp`, each file fsync'd, rank 0 writing
+`.metadata` last, as torch.distributed.checkpoint does), time what training sees, wait for the
+drain with a progress bar, write the same storm straight into a plain directory for comparison,
+verify every byte through `ckptfs export`, print a before/after table and take it all down.
+
+Everything goes through the CLI (`python -m ckptfs ...`), as a user would type it. Cleanup runs
+whatever happened (failure, Ctrl-C): unmount, and if that fails `fusermount3 -uz` plus a kill of
+the daemon this demo started, then removal of every directory it made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from ckptfs import layout
+
+STEP = "step_100"
+# Every file of a rank is a window of one random buffer, each starting this many bytes further
+# in: files differ at every offset (a misplaced extent cannot go unnoticed) while a rank holds
+# only size + files * STRIDE bytes instead of files * size.
+STRIDE = 65_537
+STORM_TIMEOUT = 600.0
+
+
+def _ckptfs(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ckptfs", *args]
+
+
+# --- the ranks (spawned processes) --------------------------------------------------------
+
+def _rank_blobs(rank: int, nfiles: int, size: int) -> tuple[memoryview, list[str]]:
+    buf = random.Random(0xC0FFEE + rank).randbytes(size + (nfiles - 1) * STRIDE)
+    view = memoryview(buf)
+    sums = [xxhash.xxh3_128_hexdigest(view[i * STRIDE:i * STRIDE + size]) for i in range(nfiles)]
+    return view, sums
+
+
+def _write_file(path: str, data: memoryview | bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)  # what torch.distributed.checkpoint's FileSystemWriter does per file
+    finally:
+        os.close(fd)
+
+
+def _metadata(ranks: int, nfiles: int, size: int) -> bytes:
+    files = {f"__{r}_{i}.distcp": size for r in range(ranks) for i in range(nfiles)}
+    return json.dumps({"format": "ckptfs-demo", "step": 100, "files": files}).encode()
+
+
+def _rank_main(rank: int, ranks: int, nfiles: int, size: int, jobs: Any, results: Any,
+               start: Any, shards_done: Any) -> None:
+    # Ctrl-C reaches the whole process group; the parent decides and terminates us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        view, sums = _rank_blobs(rank, nfiles, size)
+        meta = _metadata(ranks, nfiles, size) if rank == 0 else b""
+        if rank == 0:
+            sums.append(xxhash.xxh3_128_hexdigest(meta))
+        results.put(("ready", rank, sums))
+        while True:
+            step_dir = jobs.get()
+            if step_dir is None:
+                return
+            start.wait(STORM_TIMEOUT)
+            t0 = time.monotonic()
+            os.makedirs(step_dir, exist_ok=True)
+            for i in range(nfiles):
+                _write_file(os.path.join(step_dir, f"__{rank}_{i}.distcp"),
+                            view[i * STRIDE:i * STRIDE + size])
+            shards_done.wait(STORM_TIMEOUT)
+            if rank == 0:  # the coordinator commits the checkpoint last
+                _write_file(os.path.join(step_dir, ".metadata"), meta)
+            results.put(("done", rank, (t0, time.monotonic())))
+    except BaseException as e:  # report, and release the others from the barriers
+        start.abort()
+        shards_done.abort()
+        results.put(("error", rank, f"{type(e).__name__}: {e}"))
+
+
+class Ranks:
+    """`ranks` spawned writer processes, started once and reused for both storms."""
+
+    def __init__(self, ranks: int, nfiles: int, size: int):
+        ctx = mp.get_context("spawn")
+        self.ranks, self.nfiles, self.size = ranks, nfiles, size
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(ranks)]
+        # kept on self: a barrier the parent drops is unlinked before the children attach to it
+        self.barriers = start, shards_done = ctx.Barrier(ranks), ctx.Barrier(ranks)
+        self.procs = [ctx.Process(target=_rank_main, name=f"ckptfs-demo-rank{r}", daemon=True,
+                                  args=(r, ranks, nfiles, size, self.jobs[r], self.results,
+                                        start, shards_done))
+                      for r in range(ranks)]
+        for p in self.procs:
+            p.start()
+
+    def _collect(self, kind: str) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + STORM_TIMEOUT
+        while len(got) < self.ranks:
+            try:
+                what, rank, value = self.results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.name for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"writer processes died: {', '.join(dead)}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"writers did not finish within {STORM_TIMEOUT:.0f}s") \
+                        from None
+                continue
+            if what == "error":
+                raise RuntimeError(f"rank {rank} failed: {value}")
+            if what == kind:
+                got[rank] = value
+        return got
+
+    def checksums(self) -> dict[str, str]:
+        """name -> xxh3_128 of every file a storm writes (.metadata included)."""
+        out = {}
+        for rank, sums in self._collect("ready").items():
+            for i in range(self.nfiles):
+                out[f"__{rank}_{i}.distcp"] = sums[i]
+            if rank == 0:
+                out[".metadata"] = sums[self.nfiles]
+        return out
+
+    def storm(self, step_dir: str) -> tuple[float, float]:
+        """Every rank writes its shards into step_dir; returns (start, end) on the monotonic
+        clock, which is one clock for all processes on Linux."""
+        for q in self.jobs:
+            q.put(step_dir)
+        spans = self._collect("done").values()
+        return min(s for s, _ in spans), max(e for _, e in spans)
+
+    def close(self) -> None:
+        for q in self.jobs:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(2)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for q in [self.results, *self.jobs]:
+            q.close()
+            q.cancel_join_thread()
+
+
+# --- the demo -----------------------------------------------------------------------------
+
+@dataclass
+class Dirs:
+    root: str
+    nvme: str = field(init=False)
+    shared: str = field(init=False)
+    mnt: str = field(init=False)
+    straight: str = field(init=False)
+    export: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nvme = os.path.join(self.root, "nvme")
+        self.shared = os.path.join(self.root, "shared")
+        self.mnt = os.path.join(self.root, "mnt")
+        # the baseline: a plain directory on the same filesystem as SHARED
+        self.straight = os.path.join(self.root, "shared-plain")
+        self.export = os.path.join(self.root, "export")
+        for d in (self.nvme, self.shared, self.mnt, self.straight):
+            os.mkdir(d)
+
+
+class DemoError(Exception):
+    pass
+
+
+def _run(argv: list[str], what: str, **kw: Any) -> subprocess.CompletedProcess:
+    res = subprocess.run(argv, stdin=subprocess.DEVNULL, **kw)
+    if res.returncode != 0:
+        err = (res.stderr or "").strip() if isinstance(res.stderr, str) else ""
+        raise DemoError(f"{what} failed (exit {res.returncode})" + (f": {err}" if err else ""))
+    return res
+
+
+def _count_files(top: str) -> int:
+    return sum(1 for _d, _s, files in os.walk(top) for f in files if not f.startswith(".tmp"))
+
+
+def _hash_file(path: str) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def run_demo(ranks: int = 8, files_per_rank: int = 64, size_mb: float = 1.0, keep: bool = False,
+             workdir: str | None = None) -> int:
+    from rich.console import Console
+
+    con = Console(highlight=False)
+    size = max(1, int(size_mb * (1 << 20)))
+    nfiles = ranks * files_per_rank + 1
+    total = ranks * files_per_rank * size
+    if workdir is not None:
+        os.makedirs(workdir, exist_ok=True)
+    dirs = Dirs(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=workdir))
+    writers: Ranks | None = None
+    daemon_pid: int | None = None
+    mounted = ok = False
+    interrupted = False
+    try:
+        con.print(f"[bold]ckptfs demo[/] in {dirs.root}: {ranks} ranks x {files_per_rank} files "
+                  f"x {size / (1 << 20):g} MiB = {nfiles} files, {total / (1 << 20):,.0f} MiB")
+        writers = Ranks(ranks, files_per_rank, size)
+        _run(_ckptfs("mount", dirs.nvme, dirs.shared, dirs.mnt, "--node-id", "demo",
+                     "--segment-size", "64M"), "ckptfs mount", capture_output=True, text=True)
+        mounted = True
+        daemon_pid = int(os.getxattr(dirs.mnt, "user.ckptfs.pid"))
+        con.print(f"mounted ckptfs at {dirs.mnt} (daemon pid {daemon_pid})")
+        expected = writers.checksums()
+
+        # 1. the storm through ckptfs
+        t0, t1 = writers.storm(os.path.join(dirs.mnt, STEP))
+        con.print(f"training-visible save through ckptfs: {_fmt_s(t1 - t0)} "
+                  f"({total / (1 << 20) / (t1 - t0):,.0f} MiB/s)")
+        con.print("waiting until the checkpoint is durable on SHARED (ckptfs wait)...")
+        _run(_ckptfs("wait", "--quiet", "--timeout", str(STORM_TIMEOUT),
+                     os.path.join(dirs.mnt, STEP)), "ckptfs wait")
+        t_durable = time.monotonic()
+        con.print(f"durable on SHARED {_fmt_s(t_durable - t0)} after the save began")
+        st = json.loads(_run(_ckptfs("status", dirs.mnt, "--json"), "ckptfs status",
+                             capture_output=True, text=True).stdout)
+        shared_ops: dict[str, int] = st.get("shared_ops", {})
+
+        # 2. the same storm straight into a plain directory on SHARED's filesystem
+        s0, s1 = writers.storm(os.path.join(dirs.straight, STEP))
+        con.print(f"the same save straight into a plain directory: {_fmt_s(s1 - s0)}")
+
+        # 3. every byte back out of the shared store, with no mount involved
+        _run(_ckptfs("export", dirs.shared, STEP, dirs.export), "ckptfs export",
+             capture_output=True, text=True)
+        bad = [name for name, want in sorted(expected.items())
+               if not os.path.isfile(p := os.path.join(dirs.export, name))
+               or _hash_file(p) != want]
+        extra = _count_files(dirs.export) - len(expected)
+        if bad or extra:
+            raise DemoError(f"verification failed: {len(bad)} files missing or different "
+                            f"(first: {bad[:3]}), {max(extra, 0)} unexpected files")
+        con.print(f"verified: all {len(expected)} files exported from SHARED match "
+                  "what the ranks wrote (xxh3-128)")
+
+        objects = _count_files(os.path.join(dirs.shared, layout.SHARED_ROOT, "objects"))
+        manifests = _count_files(os.path.join(dirs.shared, layout.SHARED_ROOT, "manifests"))
+        straight_files = _count_files(dirs.straight)
+        _table(con, nfiles, straight_files, objects, manifests, shared_ops,
+               straight=(s1 - s0), through=(t1 - t0), durable=(t_durable - t0))
+        ok = True
+        return 0
+    except KeyboardInterrupt:
+        interrupted = True
+        con.print("[yellow]interrupted: cleaning up[/]")
+        return 130
+    except (DemoError, RuntimeError, OSError) as e:
+        con.print(f"[red]ckptfs demo failed:[/] {e}")
+        _log_tail(con, dirs.nvme)
+        return 1
+    finally:
+        # A second Ctrl-C must not leave a half-cleaned mount: every step below is bounded.
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) \
+            if threading.current_thread() is threading.main_thread() else None
+        try:
+            if writers is not None:
+                writers.close()
+            if mounted:
+                _unmount(con, dirs.mnt, daemon_pid, drain=ok and not interrupted)
+            if keep:
+                con.print(f"kept {dirs.root} (nvme/, shared/, shared-plain/, export/)")
+            elif layout.mount_type(dirs.mnt) is None:
+                shutil.rmtree(dirs.root, ignore_errors=True)
+            else:
+                con.print(f"[red]{dirs.mnt} is still mounted; left {dirs.root} in place[/]")
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+
+
+def _table(con: Any, nfiles: int, straight_files: int, objects: int, manifests: int,
+           shared_ops: dict[str, int], straight: float, through: float, durable: float) -> None:
+    from rich.table import Table
+
+    ops = sum(shared_ops.values())
+    detail = ", ".join(f"{k} {v}" for k, v in sorted(shared_ops.items(), key=lambda kv: -kv[1]))
+    # straight: one mkdir, then per file a create and an fsync (what ckptfs counts for itself)
+    straight_ops = 1 + 2 * straight_files
+    t = Table(title="step_100, before / after", title_justify="left")
+    t.add_column("")
+    t.add_column("straight to shared dir", justify="right")
+    t.add_column("through ckptfs", justify="right")
+    t.add_row("files written by training", f"{nfiles:,}", f"{nfiles:,}")
+    t.add_row("files on shared storage", f"{straight_files:,}",
+              f"{objects} objects + {manifests} manifest{'s' * (manifests != 1)}")
+    t.add_row("shared-store ops", f"{straight_ops:,}", f"{ops:,}")
+    t.add_row("save time (training waits)", _fmt_s(straight), _fmt_s(through))
+    t.add_row("until durable on shared", _fmt_s(straight), _fmt_s(durable))
+    con.print(t)
+    con.print(f"[dim]ckptfs shared-store ops: {detail or 'none'}; straight: 1 mkdir, "
+              f"{straight_files:,} creates, {straight_files:,} fsyncs.[/]")
+    con.print("[dim]Here the \"shared dir\" is a plain local directory on the same disk, so the "
+              "straight save is cheap. On a real NAS every create and fsync is a round trip to "
+              "its metadata server (milliseconds, and slower under a storm), so the straight "
+              "save grows with the file count while the save through ckptfs stays at local NVMe "
+              "speed and the NAS sees a few large sequential objects.[/]")
+
+
+def _log_tail(con: Any, nvme: str, lines: int = 15) -> None:
+    try:
+        with open(os.path.join(nvme, "ckptfs.log"), errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+    except OSError:
+        return
+    if tail:
+        con.print("[dim]daemon log (last lines):[/]")
+        for line in tail:
+            con.print(f"  {line}", markup=False, style="dim")
+
+
+def _pid_is_our_daemon(pid: int, mnt: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+    except (OSError, IndexError):
+        return False
+    return os.fsencode(mnt) in argv and b"ckptfs" in argv
+
+
+def _unmount(con: Any, mnt: str, pid: int | None, drain: bool) -> None:
+    """`ckptfs umount`; if that fails, detach lazily and kill the daemon we started."""
+    argv = _ckptfs("umount", mnt, "--timeout", "120" if drain else "20")
+    if not drain:
+        argv.append("--no-drain")
+    try:
+        res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=150)
+        clean = res.returncode == 0
+        if not clean:
+            con.print(f"[yellow]ckptfs umount failed: {res.stderr.strip()}[/]")
+    except subprocess.TimeoutExpired:
+        clean = False
+        con.print("[yellow]ckptfs umount timed out[/]")
+    if clean and layout.mount_type(mnt) is None \
+            and (pid is None or not _pid_is_our_daemon(pid, mnt)):
+        con.print(f"unmounted {mnt}")
+        return
+    subprocess.run(["fusermount3", "-uz", mnt], stdin=subprocess.DEVNULL, capture_output=True,
+                   timeout=30)
+    if pid is not None and _pid_is_our_daemon(pid, mnt):
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _pid_is_our_daemon(pid, mnt) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    con.print(f"[yellow]forced: detached {mnt} and killed daemon pid {pid}[/]")
+
+
+# --- CLI glue (`ckptfs demo`) -------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=_positive_int, default=8,
+                        help="writer processes, one per simulated rank (default 8)")
+    parser.add_argument("--files-per-rank", type=_positive_int, default=64,
+                        help="shard files each rank writes (default 64)")
+    parser.add_argument("--size-mb", type=_positive_float, default=1.0,
+                        help="size of each shard file in MiB (default 1)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the directories afterwards (the mount is always removed)")
+    parser.add_argument("--workdir", help="make the demo's directories under this directory "
+                                          "(default: the system temp directory)")
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_demo(ranks=args.ranks, files_per_rank=args.files_per_rank, size_mb=args.size_mb,
+                    keep=args.keep, workdir=args.workdir)
+
+
+if __name__ == "__main__":
+    _p = argparse.ArgumentParser(prog="python -m ckptfs.demo")
+    add_arguments(_p)
+    raise SystemExit(main(_p.parse_args()))

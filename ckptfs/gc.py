@@ -1,0 +1,231 @@
+"""Garbage collection: free segments whose data nobody references any more, on both tiers.
+
+A segment is garbage when all the data it ever held is dead (overwritten, truncated, or its
+files deleted: by `rm -rf` or by retention) in the live index *and* in the published view,
+no manifest of any node on SHARED names it, and it has stayed that way for a grace period
+(other nodes may have imported its ranges and not refreshed yet). Then its object on SHARED
+is deleted (one unlink per object, never per file) and so is its local file.
+
+Deleting log segments must not break replay: before the first deletion beyond it, the index is
+snapshotted (an LMDB copy of a committed state, NVME/snapshot/), and a full replay starts from
+the newest snapshot instead of the first segment.
+
+Mostly-dead segments are compacted: their live extents are copied forward as new WRITE
+records (flagged RELOC: they change no times), which leaves the old segment all dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import trio
+
+from ckptfs import layout
+from ckptfs import segment as fmt
+from ckptfs.index import VSEG_BIT, Index, SegState, read_applied
+from ckptfs.remote import fetch_manifests
+from ckptfs.shared import SharedStore
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_DIR = "snapshot"
+
+
+@dataclass
+class GcStats:
+    runs: int = 0
+    segments_deleted: int = 0
+    objects_deleted: int = 0
+    bytes_freed_local: int = 0
+    bytes_freed_shared: int = 0
+    compacted_segments: int = 0
+    compacted_bytes: int = 0
+    snapshots: int = 0
+
+
+def take_snapshot(index: Index, nvme: str) -> None:
+    """Copy the committed index to NVME/snapshot atomically (blocking)."""
+    tmp = os.path.join(nvme, SNAPSHOT_DIR + ".tmp")
+    dest = os.path.join(nvme, SNAPSHOT_DIR)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    index.env.copy(tmp, compact=True)
+    fd = os.open(os.path.join(tmp, "data.mdb"), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    old = dest + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(dest):
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    layout.fsync_dir(nvme)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_snapshot(nvme: str, index_dir: str) -> bool:
+    """Replace the index with the snapshot (for a full replay); False if there is none."""
+    src = os.path.join(nvme, SNAPSHOT_DIR, "data.mdb")
+    if not os.path.exists(src):
+        return False
+    shutil.rmtree(index_dir, ignore_errors=True)
+    os.makedirs(index_dir)
+    shutil.copyfile(src, os.path.join(index_dir, "data.mdb"))
+    return True
+
+
+class Collector:
+    def __init__(self, nvme: str, node: str, index: Index, drain: Any, store: SharedStore,
+                 seg_path: Callable[[int], str], forget: Callable[[int], None],
+                 commit: Callable[[], Any], grace: float = 60.0, interval: float = 15.0,
+                 compact_below: float = 0.25):
+        self.nvme = nvme
+        self.node = node
+        self.index = index
+        self.drain = drain
+        self.store = store
+        self.seg_path = seg_path
+        self.forget = forget
+        self.commit = commit
+        self.grace = grace
+        self.interval = interval
+        self.compact_below = compact_below
+        self.first_dead: dict[int, float] = {}
+        self.stats = GcStats()
+        self.snapshot_seg = self._snapshot_seg()
+
+    def _snapshot_seg(self) -> int:
+        path = os.path.join(self.nvme, SNAPSHOT_DIR)
+        if not os.path.exists(os.path.join(path, "data.mdb")):
+            return 0
+        applied = read_applied(path)
+        return applied[0] if applied else 0
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(self.interval)
+            try:
+                await self.collect()
+            except Exception:
+                log.exception("garbage collection failed; will try again")
+
+    def dead_segments(self) -> list[tuple[int, int, int]]:
+        """(seg, state, size) of segments with data and no live data, behind the view."""
+        pub_seg = self.drain.pub.applied[0]
+        out = []
+        for seg, i in self.index.iter_segments():
+            if seg > pub_seg:
+                break
+            if i.state in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED) \
+                    and i.data > 0 and i.live == 0:
+                out.append((seg, i.state, i.size))
+        return out
+
+    async def collect(self, force: bool = False) -> int:
+        self.stats.runs += 1
+        now = time.monotonic()
+        dead = self.dead_segments()
+        for seg, _st, _size in dead:
+            self.first_dead.setdefault(seg, now)
+        ripe = [(seg, st, size) for seg, st, size in dead
+                if force or now - self.first_dead[seg] >= self.grace]
+        if not ripe:
+            return 0
+        # the published view must agree (its manifests are what other nodes read)
+        pub_live = await self.drain.in_pub(lambda: {s: i.live for s, i in
+                                                    self.drain.pub.iter_segments()})
+        ripe = [r for r in ripe if pub_live.get(r[0], 0) == 0]
+        if not ripe:
+            return 0
+        refs = await trio.to_thread.run_sync(self._referenced_elsewhere)
+        ripe = [r for r in ripe if fmt.segment_name(r[0])[:16] not in refs]
+        if not ripe:
+            return 0
+        # replay must never need what we are about to delete
+        if max(seg for seg, _s, _z in ripe) >= self.snapshot_seg:
+            await self.commit()
+            await trio.to_thread.run_sync(take_snapshot, self.index, self.nvme)
+            self.snapshot_seg = self.index.applied[0]
+            self.stats.snapshots += 1
+        ripe = [r for r in ripe if r[0] < self.snapshot_seg]
+        for seg, state, size in ripe:
+            if state != SegState.DROPPED:
+                await trio.to_thread.run_sync(self.store.delete_object, self.node, seg)
+                self.stats.objects_deleted += 1
+                self.stats.bytes_freed_shared += size
+            self.forget(seg)
+            if state != SegState.EVICTED:
+                try:
+                    os.unlink(self.seg_path(seg))
+                    self.stats.bytes_freed_local += size
+                except FileNotFoundError:
+                    pass
+            self.index.drop_segment(seg)
+            self.first_dead.pop(seg, None)
+            self.stats.segments_deleted += 1
+            log.info("gc: deleted segment %s (%d bytes, all data dead)",
+                     fmt.segment_name(seg), size)
+        segs = [seg for seg, _s, _z in ripe]
+        await self.drain.in_pub(lambda: [self.drain.pub.drop_segment(s) for s in segs])
+        await self.commit()
+        return len(ripe)
+
+    def _referenced_elsewhere(self) -> set[str]:
+        """Segment ids (hex) of this node that other nodes' manifests reference."""
+        out: set[str] = set()
+        for node, m in fetch_manifests(self.store, {}).items():
+            if node == self.node:
+                continue
+            for obj in m.objects:
+                onode, seg = obj.rsplit("/", 1)
+                if onode == self.node:
+                    out.add(seg)
+        return out
+
+    def compaction_candidates(self) -> list[int]:
+        pub_seg = self.drain.pub.applied[0]
+        out = []
+        for seg, i in self.index.iter_segments():
+            if seg > pub_seg:
+                break
+            if i.state in (SegState.PUBLISHED, SegState.EVICTED) and i.data > 0 \
+                    and 0 < i.live < self.compact_below * i.data:
+                out.append(seg)
+        return out
+
+    async def compact(self, ns: Any, max_bytes: int = 256 << 20) -> int:
+        """Copy live extents out of mostly-dead segments (RELOC records); returns bytes."""
+        cands = set(self.compaction_candidates())
+        if not cands:
+            return 0
+        moves = [(ino, e) for ino, e in self.index.iter_all_extents() if e.seg in cands]
+        moved = 0
+        for ino, e in moves:
+            data = await trio.to_thread.run_sync(ns.reader.read_extent, e, 0, e.length)
+            # the file may have changed while we read: move only what is still there
+            cur = self.index.extents_in(ino, e.start, e.end)
+            if len(cur) != 1 or cur[0] != e:
+                continue
+            ns.record(fmt.RecType.RELOC, ino, e.start, data)
+            moved += e.length
+            if moved >= max_bytes:
+                break
+        if moved:
+            self.stats.compacted_segments += len(cands)
+            self.stats.compacted_bytes += moved
+            log.info("gc: compacted %d mostly-dead segments (%d live bytes moved)", len(cands),
+                     moved)
+        return moved
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.stats.__dict__, pending_dead=len(self.first_dead),
+                    snapshot_segment=self.snapshot_seg)
+
+
+__all__ = ["Collector", "take_snapshot", "restore_snapshot", "VSEG_BIT"]

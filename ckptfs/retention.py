@@ -1,0 +1,165 @@
+"""Checkpoint awareness: which top-level directories are checkpoints, which are complete, and
+how many to keep on each tier.
+
+A checkpoint is a top-level directory whose name matches a `--retain` glob (default `step_*`,
+`checkpoint-*`, `global_step*`). It is *complete* once it holds a commit marker (a file whose
+name matches a `--marker` glob: DCP's `.metadata`, HF's `trainer_state.json`), or once a
+top-level marker file (DeepSpeed's `latest`) names it. Order is the order in which the
+directories got their names (the log sequence of their CREATE or RENAME), so `tmp-checkpoint-5`
+renamed to `checkpoint-5` counts from the rename.
+
+Markers need no special drain ordering: the published view is always a prefix of the log, so
+a marker written after its shards can only be published together with or after them.
+
+`--keep-shared M`: checkpoints older than the M-th newest *complete* one are deleted from the
+namespace (and so from SHARED once GC finds their objects unreferenced). A segment whose data
+is all dead before it was uploaded is dropped from the drain instead of uploaded (a superseded
+checkpoint). `--keep-local N`: segments holding only data of checkpoints older than the N-th
+newest are evicted from NVMe once published; the newest checkpoint's segments are evicted last.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptfs.errors import FsError
+from ckptfs.index import ROOT_INO, VSEG_BIT
+from ckptfs.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETAIN = ("step_*", "checkpoint-*", "global_step*")
+DEFAULT_MARKERS = (".metadata", "trainer_state.json", "latest")
+TOP_MARKERS = ("latest", "latest_checkpointed_iteration.txt")
+
+
+@dataclass
+class RetentionConfig:
+    retain: tuple[str, ...] = DEFAULT_RETAIN
+    markers: tuple[str, ...] = DEFAULT_MARKERS
+    keep_local: int = 0  # 0 = no checkpoint-based eviction (watermarks still apply)
+    keep_shared: int = 0  # 0 = keep everything
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    ino: int
+    order: int
+    complete: bool = False
+    segs: set[int] = field(default_factory=set)
+
+
+class Retention:
+    def __init__(self, ns: Namespace, cfg: RetentionConfig):
+        self.ns = ns
+        self.cfg = cfg
+        self.deleted: list[str] = []
+        self.protected: set[int] = set()  # segments of the newest checkpoint(s)
+
+    def _matches(self, name: str, globs: tuple[str, ...]) -> bool:
+        return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Top-level checkpoint directories, oldest first."""
+        idx = self.ns.index
+        out: list[Checkpoint] = []
+        named_by_top: set[str] = set()
+        for cookie, name, child in idx.readdir(ROOT_INO, 0):
+            sname = os.fsdecode(name)
+            node = idx.get_inode(child)
+            if node is None:
+                continue
+            if node.is_dir and self._matches(sname, self.cfg.retain):
+                out.append(Checkpoint(sname, child, cookie))
+            elif stat.S_ISREG(node.mode) and sname in TOP_MARKERS and node.size < 4096:
+                try:
+                    text = self.ns.read(child, 0, 4096).decode(errors="replace").strip()
+                    named_by_top.add(os.path.basename(text.rstrip("/")))
+                except (FsError, OSError):
+                    pass
+        for c in out:
+            c.complete = c.name in named_by_top or self._has_marker(c.ino)
+        out.sort(key=lambda c: c.order)
+        return out
+
+    def _has_marker(self, ino: int) -> bool:
+        for _c, name, _child in self.ns.index.readdir(ino, 0):
+            if self._matches(os.fsdecode(name), self.cfg.markers):
+                return True
+        return False
+
+    def _segments_of(self, ino: int) -> set[int]:
+        idx = self.ns.index
+        segs: set[int] = set()
+        stack = [ino]
+        while stack:
+            d = stack.pop()
+            for _c, _name, child in idx.readdir(d, 0):
+                node = idx.get_inode(child)
+                if node is None:
+                    continue
+                if node.is_dir:
+                    stack.append(child)
+                elif stat.S_ISREG(node.mode):
+                    segs.update(e.seg for e in idx.iter_extents(child)
+                                if not e.seg & VSEG_BIT)
+        return segs
+
+    # --- the pass ---------------------------------------------------------------------------
+
+    def run_once(self) -> dict[str, Any]:
+        """Apply keep-shared (deletes) and compute keep-local protection; returns what it did."""
+        cps = self.checkpoints()
+        deleted = []
+        if self.cfg.keep_shared:
+            complete = [c for c in cps if c.complete]
+            if len(complete) > self.cfg.keep_shared:
+                cutoff = complete[-self.cfg.keep_shared].order
+                for c in cps:
+                    if c.order < cutoff:
+                        self._delete(c)
+                        deleted.append(c.name)
+                cps = [c for c in cps if c.order >= cutoff]
+        evictable: set[int] = set()
+        if cps:
+            newest = cps[-1]
+            self.protected = self._segments_of(newest.ino)
+            if self.cfg.keep_local:
+                keep = cps[-self.cfg.keep_local:]
+                keep_segs: set[int] = set()
+                for c in keep:
+                    keep_segs |= self._segments_of(c.ino)
+                for c in cps[:-self.cfg.keep_local]:
+                    evictable |= self._segments_of(c.ino) - keep_segs
+        return {"deleted": deleted, "evictable": evictable}
+
+    def _delete(self, c: Checkpoint) -> None:
+        """rm -rf through the namespace: ordinary UNLINK records, replayed like any other."""
+        idx = self.ns.index
+
+        def rm(parent: int, name: bytes, ino: int) -> None:
+            node = idx.get_inode(ino)
+            if node is not None and node.is_dir:
+                for _c, cname, child in list(idx.readdir(ino, 0)):
+                    rm(ino, cname, child)
+                self.ns.unlink(parent, name, want_dir=True)
+            else:
+                self.ns.unlink(parent, name, want_dir=False)
+
+        rm(ROOT_INO, os.fsencode(c.name), c.ino)
+        self.deleted.append(c.name)
+        del self.deleted[:-20]
+        log.info("retention: deleted checkpoint %s (keep-shared %d)", c.name,
+                 self.cfg.keep_shared)
+
+    def status(self) -> dict[str, Any]:
+        cps = self.checkpoints()
+        return {"checkpoints": [{"name": c.name, "complete": c.complete} for c in cps],
+                "keep_local": self.cfg.keep_local, "keep_shared": self.cfg.keep_shared,
+                "recently_deleted": self.deleted[-5:]}
