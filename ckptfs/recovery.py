@@ -44,6 +44,15 @@ class ReplayReport:
         return dict(self.__dict__)
 
 
+def _has_footer(path: str, size: int) -> bool:
+    if size < fmt.SEGMENT_HEADER_SIZE + fmt.FOOTER_SIZE:
+        return False
+    with open(path, "rb") as f:
+        f.seek(size - fmt.FOOTER_SIZE)
+        foot = fmt.parse_footer(f.read(fmt.FOOTER_SIZE))
+    return foot is not None
+
+
 def _replay_published(index: Index, store: Any, node: str, seg: int, start: int,
                       rep: ReplayReport) -> int:
     """Replay a segment whose local copy was evicted from its object on SHARED."""
@@ -122,6 +131,13 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             log.error("%s", e)
             continue
         size = os.path.getsize(path)
+        if seg == a_seg and start >= size - fmt.FOOTER_SIZE and _has_footer(path, size):
+            # the index already has everything up to the SEAL record of a sealed segment
+            st = index.get_segment(seg)
+            if st is None or st.state == SegState.ACTIVE:
+                index.set_segment(seg, SegState.SEALED, size=size, sealed_ns=time.time_ns())
+            a_pos = fmt.SEGMENT_HEADER_SIZE
+            continue
         if start >= size and seg == a_seg:
             st = index.get_segment(seg)
             if st is None or st.state != SegState.ACTIVE:
