@@ -103,7 +103,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
                           tuple(a.retain) if a.retain else DEFAULT_RETAIN,
                           tuple(a.marker) if a.marker else DEFAULT_MARKERS,
                           a.keep_local, a.keep_shared),
-                      gc_grace=a.gc_grace)
+                      gc_grace=a.gc_grace, nodes_required=a.nodes)
     if a.keep_local < 0 or a.keep_shared < 0:
         raise CliError("--keep-local and --keep-shared must not be negative")
     if a.node_id:
@@ -167,7 +167,7 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
            "--cache-size", str(a.cache_size), "--enospc-timeout", str(a.enospc_timeout),
            "--refresh-interval", str(a.refresh_interval),
            "--keep-local", str(a.keep_local), "--keep-shared", str(a.keep_shared),
-           "--gc-grace", str(a.gc_grace),
+           "--gc-grace", str(a.gc_grace), "--nodes", str(a.nodes),
            "--log-level", a.log_level, "--upload-streams", str(a.upload_streams),
            "--upload-limit", str(a.upload_limit), "--metrics-port", str(a.metrics_port)]
     if a.node_id:
@@ -341,9 +341,45 @@ def cmd_wait(a: argparse.Namespace) -> int:
         raise CliError(f"{a.path}: {e}") from None
     except api.CkptfsError as e:
         raise CliError(str(e)) from None
+    if a.all_nodes:
+        _wait_all_nodes(a)
     if not a.quiet:
         print(f"{a.path}: published (log sequence {seq})")
     return 0
+
+
+def _wait_all_nodes(a: argparse.Namespace) -> None:
+    """After our own part is published: until N nodes published parts of the checkpoint and
+    its marker is there (read from SHARED, like any other node would)."""
+    from ckptfs import api
+    from ckptfs.export import checkpoints, merged_view, top_marker_targets
+    from ckptfs.shared import SharedStore
+
+    st = api.status(a.path)
+    need = a.all_nodes if a.all_nodes > 0 else int(st.get("nodes_required") or 0)
+    if need <= 0:
+        raise CliError("--all-nodes needs a node count: mount with --nodes N or pass "
+                       "--all-nodes N")
+    from ckptfs import control
+
+    _sock, rel = control.find_socket(a.path)
+    top = rel.split("/", 1)[0]
+    store = SharedStore(st["shared"])
+    ret = tuple(st.get("retain") or ()) or ("*",)
+    marks = tuple(st.get("markers") or ())
+    deadline = None if a.timeout is None else time.monotonic() + a.timeout
+    while True:
+        view = merged_view(store)
+        cps = {c.name: c for c in checkpoints(view, ret + (top,), marks, need,
+                                              top_marker_targets(store, view))}
+        c = cps.get(top)
+        if c is not None and c.complete:
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            have = len(c.nodes) if c else 0
+            raise CliError(f"{a.path}: timed out waiting for all nodes ({have}/{need} "
+                           f"published, marker {'yes' if c and c.marker else 'no'})")
+        time.sleep(1.0)
 
 
 def _open_store(path: str) -> Any:
@@ -357,7 +393,9 @@ def _open_store(path: str) -> Any:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    from ckptfs.export import ExportError, merged_view, select
+    from ckptfs.export import (ExportError, checkpoints, merged_view, select,
+                               top_marker_targets)
+    from ckptfs.retention import DEFAULT_MARKERS, DEFAULT_RETAIN
 
     store = _open_store(a.shared)
     try:
@@ -366,6 +404,30 @@ def cmd_ls(a: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     for err in view.errors:
         print(f"ckptfs: warning: {err}", file=sys.stderr)
+    if not a.path and not a.files:
+        cps = checkpoints(view, tuple(a.retain or DEFAULT_RETAIN),
+                          tuple(a.marker or DEFAULT_MARKERS), a.nodes,
+                          top_marker_targets(store, view))
+        if a.json:
+            print(json.dumps([c.__dict__ for c in cps], indent=1))
+            return 0
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"checkpoints on {a.shared}", show_lines=False)
+        for col in ("checkpoint", "files", "size", "nodes", "state"):
+            t.add_column(col, justify="right" if col in ("files", "size") else "left")
+        for c in cps:
+            state = "complete" if c.complete else (
+                "incomplete (no marker)" if not c.marker else
+                f"incomplete ({len(c.nodes)}/{a.nodes} nodes)")
+            t.add_row(c.name, str(c.files), _human(c.bytes), ",".join(c.nodes), state)
+        Console().print(t)
+        others = sum(1 for p in view.entries if "/" not in p and p not in {c.name for c in cps})
+        if others:
+            print(f"({others} other top-level entries; `ckptfs ls {a.shared} --files` lists "
+                  f"everything)")
+        return 0
     rows = list(select(view, a.path or ""))
     if a.path and not rows:
         raise CliError(f"nothing published under {a.path!r}")
@@ -378,6 +440,14 @@ def cmd_ls(a: argparse.Namespace) -> int:
         size = f"{e.size:>14,}" if e.type == "f" else " " * 14
         print(f"{kind} {size}  {node:<12} {e.path}" + (f" -> {e.target}" if e.target else ""))
     return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def cmd_export(a: argparse.Namespace) -> int:
@@ -463,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--keep-shared", type=int, default=0, metavar="M",
                    help="keep the newest M complete checkpoints, delete older ones from the "
                         "namespace and SHARED (default 0: keep all)")
+    m.add_argument("--nodes", type=int, default=0, metavar="N",
+                   help="checkpoints are written by N nodes: complete only when all N "
+                        "published (used by `wait --all-nodes`)")
     m.add_argument("--gc-grace", type=positive_float, default=60.0,
                    help="seconds an object stays unreferenced before it is deleted (default 60)")
     m.add_argument("--allow-other", action="store_true",
@@ -502,12 +575,22 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("path", metavar="PATH", help="a file or directory inside a ckptfs mount")
     w.add_argument("--timeout", type=positive_float, help="give up after this many seconds")
     w.add_argument("--quiet", "-q", action="store_true")
+    w.add_argument("--all-nodes", nargs="?", type=int, const=-1, default=0, metavar="N",
+                   help="also wait until N nodes (default: the mount's --nodes) published "
+                        "their parts of the checkpoint and its marker")
     w.set_defaults(func=cmd_wait)
 
     ls = sub.add_parser("ls", help="what is published on SHARED (no mount needed)")
     ls.add_argument("shared", metavar="SHARED")
     ls.add_argument("path", metavar="PATH", nargs="?", default="")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument("--files", action="store_true", help="list every published entry")
+    ls.add_argument("--nodes", type=int, default=0, metavar="N",
+                    help="a checkpoint is complete only when N nodes published parts of it")
+    ls.add_argument("--retain", action="append", metavar="GLOB",
+                    help="checkpoint directory globs (default step_*, checkpoint-*, "
+                         "global_step*)")
+    ls.add_argument("--marker", action="append", metavar="GLOB", help="commit marker globs")
     ls.set_defaults(func=cmd_ls)
 
     e = sub.add_parser("export", help="copy published files out as plain files (no mount, "

@@ -50,6 +50,7 @@ class MountConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     gc_grace: float = 60.0
+    nodes_required: int = 0
 
 
 class NvmeLock:
@@ -398,6 +399,8 @@ class Daemon:
         return {
             "mountpoint": self.cfg.mountpoint, "nvme": self.cfg.nvme, "shared": self.cfg.shared,
             "node_id": self.cfg.node_id, "pid": os.getpid(),
+            "nodes_required": self.cfg.nodes_required,
+            "retain": list(self.cfg.retention.retain), "markers": list(self.cfg.retention.markers),
             "uptime_s": round(time.time() - self.started, 1),
             "bytes_written": st.data_bytes, "log_bytes": st.bytes_appended,
             "records": st.records, "fsync_calls": st.sync_calls, "device_flushes": st.flushes,

@@ -127,3 +127,67 @@ def check_store(path: str) -> SharedStore:
     if not os.path.isdir(store.root):
         raise SharedError(f"{path} holds no ckptfs shared store (no {store.root})")
     return store
+
+
+@dataclass
+class CheckpointSummary:
+    name: str
+    files: int
+    bytes: int
+    nodes: list[str]
+    marker: bool
+    complete: bool
+
+
+def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
+                nodes_required: int = 0,
+                named: set[str] | frozenset[str] = frozenset()) -> list[CheckpointSummary]:
+    """Top-level checkpoint directories of the merged view, with completeness.
+
+    Complete = a commit marker is published (inside the directory, or a top-level `latest`
+    naming it) and, with nodes_required=N, at least N nodes published files under it."""
+    import fnmatch
+
+    out: dict[str, CheckpointSummary] = {}
+    for path, (node, e) in sorted(view.entries.items()):
+        top = path.split("/", 1)[0]
+        if not any(fnmatch.fnmatchcase(top, g) for g in retain):
+            continue
+        c = out.setdefault(top, CheckpointSummary(top, 0, 0, [], False, False))
+        if e.type == "f":
+            c.files += 1
+            c.bytes += e.size
+            if node not in c.nodes:
+                c.nodes.append(node)
+            base = path.rsplit("/", 1)[-1]
+            if "/" in path and any(fnmatch.fnmatchcase(base, g) for g in markers):
+                c.marker = True
+    for name in named:
+        if name in out:
+            out[name].marker = True
+    for c in out.values():
+        c.complete = c.marker and len(c.nodes) >= max(1, nodes_required)
+    return sorted(out.values(), key=lambda c: _natural(c.name))
+
+
+def top_marker_targets(store: SharedStore, view: View) -> set[str]:
+    """Checkpoint names that top-level marker files (DeepSpeed's `latest`) point at."""
+    from ckptfs.retention import TOP_MARKERS
+
+    out: set[str] = set()
+    for name in TOP_MARKERS:
+        hit = view.entries.get(name)
+        if hit is None or hit[1].type != "f" or hit[1].size > 4096:
+            continue
+        try:
+            data = b"".join(d for _o, d in read_file(store, hit[1]))
+        except (OSError, ExportError):
+            continue
+        out.add(os.path.basename(data.decode(errors="replace").strip().rstrip("/")))
+    return out
+
+
+def _natural(name: str) -> tuple:
+    import re
+
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
