@@ -132,7 +132,9 @@ class Daemon:
         self.cfg = cfg
         self.lock = NvmeLock(cfg.nvme)
         self.started = time.time()
-        self.fsync_latencies: list[float] = []
+        self.fsync_count = 0
+        self.fsync_seconds = 0.0
+        self.metrics = None
 
     def prepare(self) -> None:
         """Everything that can fail with a clear message, before the mount exists."""
@@ -213,6 +215,17 @@ class Daemon:
         self.index.commit()
         self.control_path = os.path.join(cfg.nvme, layout.CONTROL_SOCKET)
 
+    def start_metrics(self) -> None:
+        self.metrics = None
+        if self.cfg.metrics_port:
+            from ckptfs.metrics import Metrics
+
+            try:
+                self.metrics = Metrics(self.cfg.metrics_port)
+            except OSError as e:
+                raise CliError(f"cannot serve metrics on port {self.cfg.metrics_port}: "
+                               f"{e.strerror}") from None
+
     def mount(self) -> None:
         cfg = self.cfg
         ops = Operations(self.ns, cfg.nvme, {
@@ -229,8 +242,10 @@ class Daemon:
             raise CliError(f"cannot mount {cfg.mountpoint}: {e}") from None
 
     def _fsync_seen(self, seconds: float) -> None:
-        if len(self.fsync_latencies) < 100_000:
-            self.fsync_latencies.append(seconds)
+        self.fsync_count += 1
+        self.fsync_seconds += seconds
+        if self.metrics is not None:
+            self.metrics.fsync_latency.observe(seconds)
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -238,6 +253,8 @@ class Daemon:
             nursery.start_soon(self.refresher.run)
             nursery.start_soon(self.cache.run, self.drain.kick)
             nursery.start_soon(self._retention_loop)
+            if self.metrics is not None:
+                nursery.start_soon(self.metrics.run, self.status)
             nursery.start_soon(self._gc_loop)
             nursery.start_soon(self._commit_loop)
             nursery.start_soon(self._idle_seal_loop)
@@ -403,7 +420,10 @@ class Daemon:
             "retain": list(self.cfg.retention.retain), "markers": list(self.cfg.retention.markers),
             "uptime_s": round(time.time() - self.started, 1),
             "bytes_written": st.data_bytes, "log_bytes": st.bytes_appended,
-            "records": st.records, "fsync_calls": st.sync_calls, "device_flushes": st.flushes,
+            "records": st.records, "fsync_calls": self.fsync_count,
+            "fsync_mean_ms": round(1000 * self.fsync_seconds / self.fsync_count, 3)
+            if self.fsync_count else None, "log_syncs": st.sync_calls,
+            "device_flushes": st.flushes,
             "seals": st.seals, "segments": by_state, "active_segment_bytes": self.seglog.tail
             if self.seglog.fd >= 0 else 0,
             "local_bytes_used": local_bytes, "local_bytes_free": du.free,
@@ -439,6 +459,8 @@ class Daemon:
         self.drain.close()
         self.reader.close()
         self.store.close()
+        if self.metrics is not None:
+            self.metrics.close()
         try:
             os.unlink(self.control_path)
         except FileNotFoundError:
@@ -470,6 +492,7 @@ def run_foreground(cfg: MountConfig, ready_fd: int = -1) -> int:
     d = Daemon(cfg)
     d.prepare()
     try:
+        d.start_metrics()
         d.mount()
     except BaseException:
         d.shutdown()

@@ -14,6 +14,7 @@ the daemon this demo started, then removal of every directory it made.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -27,7 +28,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import xxhash
 
@@ -43,6 +44,18 @@ STORM_TIMEOUT = 600.0
 
 def _ckptfs(*args: str) -> list[str]:
     return [sys.executable, "-m", "ckptfs", *args]
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 # --- the ranks (spawned processes) --------------------------------------------------------
@@ -114,8 +127,11 @@ class Ranks:
                                   args=(r, ranks, nfiles, size, self.jobs[r], self.results,
                                         start, shards_done))
                       for r in range(ranks)]
-        for p in self.procs:
-            p.start()
+        # Children start with Ctrl-C ignored, so an interrupt during their imports prints no
+        # tracebacks: the parent handles it and terminates them.
+        with _sigint_ignored():
+            for p in self.procs:
+                p.start()
 
     def _collect(self, kind: str) -> dict[int, Any]:
         got: dict[int, Any] = {}
@@ -209,6 +225,26 @@ def _run(argv: list[str], what: str, **kw: Any) -> subprocess.CompletedProcess:
     return res
 
 
+def _mount(dirs: Dirs) -> None:
+    """`ckptfs mount` in the background form. It runs in its own session and is waited for
+    even through Ctrl-C: killed halfway, it could leave a daemon that mounts after we looked."""
+    proc = subprocess.Popen(_ckptfs("mount", dirs.nvme, dirs.shared, dirs.mnt, "--node-id",
+                                    "demo", "--segment-size", "64M"),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    interrupted = False
+    while True:
+        try:
+            _out, err = proc.communicate()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    if proc.returncode != 0:
+        raise DemoError(f"ckptfs mount failed (exit {proc.returncode}): {err.strip()}")
+
+
 def _count_files(top: str) -> int:
     return sum(1 for _d, _s, files in os.walk(top) for f in files if not f.startswith(".tmp"))
 
@@ -235,18 +271,16 @@ def run_demo(ranks: int = 8, files_per_rank: int = 64, size_mb: float = 1.0, kee
     total = ranks * files_per_rank * size
     if workdir is not None:
         os.makedirs(workdir, exist_ok=True)
-    dirs = Dirs(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=workdir))
+    dirs = Dirs(os.path.abspath(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=workdir)))
     writers: Ranks | None = None
     daemon_pid: int | None = None
-    mounted = ok = False
+    ok = False
     interrupted = False
     try:
         con.print(f"[bold]ckptfs demo[/] in {dirs.root}: {ranks} ranks x {files_per_rank} files "
                   f"x {size / (1 << 20):g} MiB = {nfiles} files, {total / (1 << 20):,.0f} MiB")
         writers = Ranks(ranks, files_per_rank, size)
-        _run(_ckptfs("mount", dirs.nvme, dirs.shared, dirs.mnt, "--node-id", "demo",
-                     "--segment-size", "64M"), "ckptfs mount", capture_output=True, text=True)
-        mounted = True
+        _mount(dirs)
         daemon_pid = int(os.getxattr(dirs.mnt, "user.ckptfs.pid"))
         con.print(f"mounted ckptfs at {dirs.mnt} (daemon pid {daemon_pid})")
         expected = writers.checksums()
@@ -298,12 +332,10 @@ def run_demo(ranks: int = 8, files_per_rank: int = 64, size_mb: float = 1.0, kee
         return 1
     finally:
         # A second Ctrl-C must not leave a half-cleaned mount: every step below is bounded.
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN) \
-            if threading.current_thread() is threading.main_thread() else None
-        try:
+        with _sigint_ignored():
             if writers is not None:
                 writers.close()
-            if mounted:
+            if layout.mount_type(dirs.mnt) is not None or _find_daemon(dirs.mnt) is not None:
                 _unmount(con, dirs.mnt, daemon_pid, drain=ok and not interrupted)
             if keep:
                 con.print(f"kept {dirs.root} (nvme/, shared/, shared-plain/, export/)")
@@ -311,9 +343,6 @@ def run_demo(ranks: int = 8, files_per_rank: int = 64, size_mb: float = 1.0, kee
                 shutil.rmtree(dirs.root, ignore_errors=True)
             else:
                 con.print(f"[red]{dirs.mnt} is still mounted; left {dirs.root} in place[/]")
-        finally:
-            if old is not None:
-                signal.signal(signal.SIGINT, old)
 
 
 def _table(con: Any, nfiles: int, straight_files: int, objects: int, manifests: int,
@@ -368,8 +397,23 @@ def _pid_is_our_daemon(pid: int, mnt: str) -> bool:
     return os.fsencode(mnt) in argv and b"ckptfs" in argv
 
 
+def _find_daemon(mnt: str) -> int | None:
+    """The daemon serving our (uniquely named) mount point, found without touching the mount."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid() and _pid_is_our_daemon(int(entry), mnt):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"--foreground" in f.read().split(b"\0"):
+                        return int(entry)
+            except OSError:
+                continue
+    return None
+
+
 def _unmount(con: Any, mnt: str, pid: int | None, drain: bool) -> None:
     """`ckptfs umount`; if that fails, detach lazily and kill the daemon we started."""
+    if pid is None:
+        pid = _find_daemon(mnt)
     argv = _ckptfs("umount", mnt, "--timeout", "120" if drain else "20")
     if not drain:
         argv.append("--no-drain")
