@@ -483,6 +483,72 @@ def cmd_fsck(a: argparse.Namespace) -> int:
     return 1 if rep.problems else 0
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    from ckptfs import plan
+
+    try:
+        p = plan.make_plan(plan.parse_bytes(a.size), plan.parse_seconds(a.interval),
+                           plan.parse_seconds(a.budget), a.ranks, a.files_per_rank, a.nodes,
+                           plan.parse_bytes(a.segment_size), a.keep_local, a.keep_shared,
+                           a.nas_creates, plan.parse_bytes(a.nas_bandwidth)
+                           if a.nas_bandwidth else None)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if a.json:
+        print(json.dumps(plan.as_dict(p), indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    gb = 1e9
+    t = Table(title="ckptfs plan", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    rows = [
+        ("checkpoint / interval / budget",
+         f"{p.checkpoint_bytes / gb:.1f} GB / {p.interval_s:.0f}s / {p.budget_s:.0f}s"),
+        ("1. files per checkpoint", f"{p.files:,}"),
+        ("2. required bandwidth (peak ~2.5x)",
+         f"{p.required_bandwidth / gb:.2f} GB/s ({p.peak_bandwidth / gb:.2f})"),
+        ("2. metadata ops in the budget", f"{p.metadata_ops:,} ({p.metadata_ops_per_s:,.0f}/s)"),
+    ]
+    if p.nas_metadata_seconds is not None:
+        rows.append(("3. straight to NAS: metadata time", f"{p.nas_metadata_seconds:.1f}s"))
+    if p.nas_data_seconds is not None:
+        rows.append(("3. straight to NAS: data time", f"{p.nas_data_seconds:.1f}s"))
+    rows += [
+        ("ckptfs: NVMe write bandwidth per node", f"{p.nvme_bandwidth_per_node / gb:.2f} GB/s"),
+        ("ckptfs: shared objects per checkpoint", f"{p.segments:,}"),
+        ("ckptfs: shared namespace ops", f"{p.shared_ops:,}"),
+        ("ckptfs: shared bandwidth (over the interval)", f"{p.shared_bandwidth / gb:.3f} GB/s"),
+        ("ckptfs: local capacity per node", f"{p.local_capacity_per_node / gb:.1f} GB"),
+        ("ckptfs: shared capacity (keep-shared)", f"{p.shared_capacity / gb:.1f} GB"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+    print(p.verdict)
+    return 0
+
+
+def cmd_probe(a: argparse.Namespace) -> int:
+    from ckptfs import probe
+
+    try:
+        r = probe.probe(a.dir, seconds=a.seconds, max_bytes=a.max_bytes)
+    except FileNotFoundError:
+        raise CliError(f"{a.dir}: no such directory") from None
+    if a.json:
+        print(json.dumps(probe.as_dict(r), indent=2))
+        return 0
+    print(f"{r.directory}: {r.creates_per_s:,.0f} creates/s, fsync p50 "
+          f"{r.fsync_latency_ms_p50:.2f} ms p99 {r.fsync_latency_ms_p99:.2f} ms, "
+          f"write {r.write_bandwidth / 1e6:,.0f} MB/s, read {r.read_bandwidth / 1e6:,.0f} MB/s")
+    print(f"feed to plan: --nas-creates {r.creates_per_s:.0f} "
+          f"--nas-bandwidth {r.write_bandwidth / 1e6:.0f}MB/s")
+    return 0
+
+
 # --- the parser -------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -600,12 +666,81 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("dest", metavar="DEST", help="directory to write into")
     e.set_defaults(func=cmd_export)
 
+    pl = sub.add_parser("plan", help="size storage for a checkpoint workload (the seed's "
+                                     "three steps)")
+    pl.add_argument("--size", required=True, help="checkpoint size, e.g. 50GB")
+    pl.add_argument("--interval", required=True, help="time between checkpoints, e.g. 10m")
+    pl.add_argument("--budget", required=True, help="allowed save time, e.g. 30s")
+    pl.add_argument("--ranks", type=int, required=True, help="writing processes in total")
+    pl.add_argument("--files-per-rank", type=int, default=1)
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--segment-size", default="256MiB")
+    pl.add_argument("--keep-local", type=int, default=2)
+    pl.add_argument("--keep-shared", type=int, default=5)
+    pl.add_argument("--nas-creates", type=float, help="NAS creates/s (from `ckptfs probe`)")
+    pl.add_argument("--nas-bandwidth", help="NAS write bandwidth, e.g. 2GB/s")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
+
+    pr = sub.add_parser("probe", help="measure a directory's create rate, fsync latency and "
+                                      "bandwidth (bounded, cleans up)")
+    pr.add_argument("dir", metavar="DIR")
+    pr.add_argument("--seconds", type=positive_float, default=2.0,
+                    help="time per measurement (default 2)")
+    pr.add_argument("--max-bytes", type=parse_size, default=256 << 20,
+                    help="largest file written (default 256M)")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_probe)
+
     f = sub.add_parser("fsck", help="verify published manifests and objects")
     f.add_argument("shared", metavar="SHARED")
     f.add_argument("--deep", action="store_true", help="verify every record's checksum")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fsck)
     return p
+
+
+# options mount(8) passes that mean nothing to ckptfs
+_MOUNT_NOOP = {"rw", "defaults", "auto", "noauto", "user", "nouser", "_netdev", "nofail",
+               "x-systemd.automount", "suid", "nosuid", "dev", "nodev", "exec", "noexec"}
+
+
+def mount_helper(argv: list[str] | None = None) -> int:
+    """`mount.ckptfs NVME:SHARED MOUNTPOINT [-o opts]`: what mount(8) runs for an fstab line
+
+        /nvme/ckpt:/mnt/shared  /ckpt  ckptfs  node_id=n0,keep_shared=5,_netdev  0 0
+
+    Options map to `ckptfs mount` flags (node_id=n0 -> --node-id n0, allow_other ->
+    --allow-other); mount(8)'s generic ones are ignored.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    opts: list[str] = []
+    pos: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "-o" and i + 1 < len(args):
+            opts += args[i + 1].split(",")
+            i += 2
+            continue
+        if args[i] in ("-n", "-s", "-f", "-v"):  # mount(8) helper flags we can ignore
+            i += 1
+            continue
+        pos.append(args[i])
+        i += 1
+    if len(pos) != 2 or ":" not in pos[0]:
+        print("ckptfs: error: usage: mount.ckptfs NVME:SHARED MOUNTPOINT [-o options]",
+              file=sys.stderr)
+        return 2
+    nvme, shared = pos[0].split(":", 1)
+    cmd = ["mount", nvme, shared, pos[1]]
+    for o in opts:
+        if not o or o in _MOUNT_NOOP or o.startswith("x-") or o.startswith("comment="):
+            continue
+        k, _, v = o.partition("=")
+        cmd.append("--" + k.replace("_", "-"))
+        if v:
+            cmd.append(v)
+    return main(cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
