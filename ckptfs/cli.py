@@ -315,18 +315,61 @@ def cmd_replay(a: argparse.Namespace) -> int:
 def cmd_status(a: argparse.Namespace) -> int:
     from ckptfs import control
 
-    try:
-        sock, _ = control.find_socket(a.path)
-        st = control.request(sock, {"op": "status", "refresh": a.refresh}, timeout=30)["status"]
-    except control.ControlError as e:
-        raise CliError(str(e)) from None
-    if a.json:
+    def fetch(refresh: bool) -> dict:
+        try:
+            sock, _ = control.find_socket(a.path)
+            return control.request(sock, {"op": "status", "refresh": refresh},
+                                   timeout=60)["status"]
+        except control.ControlError as e:
+            raise CliError(str(e)) from None
+
+    st = fetch(a.refresh)
+    if a.json and not a.watch:
         print(json.dumps(st, indent=2))
         return 0
-    for k, v in st.items():
-        if k != "replay":
-            print(f"{k:>22}: {v}")
-    return 0
+    from rich.console import Console
+
+    if not a.watch:
+        Console().print(_status_table(st))
+        return 0
+    from rich.live import Live
+
+    try:
+        with Live(_status_table(st), refresh_per_second=2, screen=False) as live:
+            while True:
+                time.sleep(a.interval)
+                live.update(_status_table(fetch(False)))
+    except KeyboardInterrupt:
+        return 0
+
+
+def _status_table(st: dict) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"ckptfs {st['mountpoint']} (node {st['node_id']}, pid {st['pid']})",
+              show_header=False)
+    t.add_column("", style="bold")
+    t.add_column("")
+    rate = st.get("upload_rate_bytes_s") or 0
+    pending = max(0, st.get("bytes_pending_upload", 0))
+    eta = f"{pending / rate:.0f}s" if rate else ("-" if pending else "0s")
+    rows = [
+        ("written", _human(st["bytes_written"])),
+        ("pending upload", f"{_human(pending)} (ETA {eta})"),
+        ("uploaded", f"{_human(st['bytes_uploaded'])} at {_human(rate)}/s"),
+        ("segments", ", ".join(f"{k} {v}" for k, v in sorted(st["segments"].items())) or "-"),
+        ("local disk", f"{_human(st['local_bytes_used'])} used by ckptfs, "
+                       f"{_human(st['local_bytes_free'])} free, cache {st['cache']['state']}"),
+        ("fsyncs", f"{st['fsync_calls']} ({st['device_flushes']} device flushes)"),
+        ("shared-store ops", ", ".join(f"{k} {v}" for k, v in sorted(st["shared_ops"].items()))
+         or "-"),
+        ("checkpoints", ", ".join(c["name"] + ("" if c["complete"] else "*")
+                                  for c in st["retention"]["checkpoints"]) or "-"),
+        ("last error", st["last_error"] or "none"),
+    ]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    return t
 
 
 def cmd_wait(a: argparse.Namespace) -> int:
@@ -633,6 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="what the daemon is doing")
     s.add_argument("path", metavar="PATH", help="the mount point or any path inside it")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", action="store_true", help="a live view, updated every second")
+    s.add_argument("--interval", type=positive_float, default=1.0, help=argparse.SUPPRESS)
     s.add_argument("--refresh", action="store_true",
                    help="re-read other nodes' manifests from the shared store first")
     s.set_defaults(func=cmd_status)
@@ -665,6 +710,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("path", metavar="PATH", help="published path, e.g. step_1000")
     e.add_argument("dest", metavar="DEST", help="directory to write into")
     e.set_defaults(func=cmd_export)
+
+    from ckptfs import demo
+
+    d = sub.add_parser("demo", help="mount a temporary ckptfs, write a simulated multi-rank "
+                                    "checkpoint, drain it, verify, clean up")
+    demo.add_arguments(d)
+    d.set_defaults(func=demo.main)
 
     pl = sub.add_parser("plan", help="size storage for a checkpoint workload (the seed's "
                                      "three steps)")
