@@ -213,7 +213,7 @@ class Daemon:
         except OSError as e:
             log.warning("cannot read manifests from the shared store at mount: %s", e)
         self.index.commit()
-        self.control_path = os.path.join(cfg.nvme, layout.CONTROL_SOCKET)
+        self.control_path = layout.control_socket_path(cfg.nvme)
 
     def start_metrics(self) -> None:
         self.metrics = None

@@ -195,14 +195,12 @@ class Ranks:
         spans = self._collect("done").values()
         return min(s for s, _ in spans), max(e for _, e in spans)
 
-    def close(self) -> None:
-        for q in self.jobs:
-            try:
+    def close(self, graceful: bool) -> None:
+        if graceful:
+            for q in self.jobs:
                 q.put(None)
-            except (OSError, ValueError):
-                pass
-        for p in self.procs:
-            p.join(2)
+            for p in self.procs:
+                p.join(5)
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -380,7 +378,7 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
         # A second Ctrl-C must not leave a half-cleaned mount: every step below is bounded.
         with _sigint_ignored():
             if writers is not None:
-                writers.close()
+                writers.close(graceful=ok)
             if layout.mount_type(dirs.mnt) is not None or _find_daemon(dirs.mnt) is not None:
                 _unmount(con, dirs.mnt, daemon_pid, drain=ok and not interrupted)
             if keep:

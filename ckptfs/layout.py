@@ -9,12 +9,24 @@ SEGMENT_DIR = "segments"
 INDEX_DIR = "index"
 LOCK_FILE = "ckptfs.lock"
 IDENTITY_FILE = "ckptfs.json"
-CONTROL_SOCKET = "control.sock"
 
 SHARED_ROOT = "ckptfs"
 SHARED_FORMAT_FILE = "FORMAT"
 SHARED_FORMAT = {"format": "ckptfs-shared", "version": 1}
 FSTYPE = "fuse.ckptfs"
+
+
+def control_socket_path(nvme: str) -> str:
+    """Where the daemon for NVME listens. Not under NVME: AF_UNIX paths are limited to 107
+    bytes and NVME paths can be longer; the name is a hash of NVME's real path."""
+    import tempfile
+
+    import xxhash
+
+    base = "/run/ckptfs" if os.access("/run", os.W_OK) else os.path.join(
+        tempfile.gettempdir(), f"ckptfs-{os.getuid()}")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    return os.path.join(base, f"{xxhash.xxh3_64_hexdigest(os.fsencode(os.path.realpath(nvme)))}.sock")
 
 
 def fsync_dir(path: str) -> None:

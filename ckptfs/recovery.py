@@ -53,6 +53,16 @@ def _has_footer(path: str, size: int) -> bool:
     return foot is not None
 
 
+def _seal_table(path: str, size: int) -> dict[int, tuple] | None:
+    """The record table of a sealed segment by record position (None if not sealed)."""
+    try:
+        with open(path, "rb") as f:
+            sealed = fmt.SealedSegment(path, size, lambda o, n: os.pread(f.fileno(), n, o))
+            return {row[0]: row for row in sealed.rows}
+    except (OSError, fmt.CorruptRecord):
+        return None
+
+
 def _replay_published(index: Index, store: Any, node: str, seg: int, start: int,
                       rep: ReplayReport) -> int:
     """Replay a segment whose local copy was evicted from its object on SHARED."""
@@ -155,7 +165,8 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
         last_seq = a_seq
         if index.get_segment(seg) is None:
             index.set_segment(seg, SegState.ACTIVE)
-        for rec in fmt.scan_segment(path, start, newest, result=scan):
+        table = _seal_table(path, size)
+        for rec in fmt.scan_segment(path, start, newest, result=scan, table=table):
             index.apply(seg, rec)
             rows += fmt.seal_row(rec)
             last_seq = rec.seq

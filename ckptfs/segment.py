@@ -273,7 +273,8 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                  read_payload_types: frozenset[int] = frozenset(
                      {RecType.CREATE, RecType.UNLINK, RecType.RENAME, RecType.SETATTR,
                       RecType.PURGE, RecType.XATTR, RecType.IMPORT}),
-                 result: ScanResult | None = None) -> Iterator[Record]:
+                 result: ScanResult | None = None,
+                 table: dict[int, tuple] | None = None) -> Iterator[Record]:
     """Yield verified records from `start`. Data payloads are checksummed but not returned
     (payload is b"") unless their type is in read_payload_types.
 
@@ -319,6 +320,24 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                     continue
             # A bad record: torn tail or corruption?
             nxt_valid = _find_next_valid(f, pos, size, path)
+            if bad == "checksum mismatch" and hdr is not None and hdr[0] in DATA_TYPES \
+                    and nxt_valid == pos + record_size(hdr[1]):
+                # a damaged data record whose frame is intact: keep its extent in the index
+                # (trusting the sealed table's copy of the header when there is one) so reads
+                # of exactly that range fail with EIO instead of silently reading a hole
+                row = table.get(pos) if table else None
+                if row is not None:
+                    rtype, length, ino, offset, time_ns, seq, csum = (
+                        row[1], row[2], row[3], row[4], row[5], row[6], row[7])
+                else:
+                    rtype, length, ino, offset, time_ns, seq, csum = hdr
+                if row is not None or table is None:
+                    res.corruption.append(CorruptRecord(
+                        path, pos, "checksum mismatch in a data record (its range reads as EIO)"))
+                    res.records += 1
+                    yield Record(rtype, ino, offset, time_ns, seq, b"", pos, length, csum)
+                    pos = nxt_valid
+                    continue
             if nxt_valid is None:
                 # only zeros/garbage after it
                 if newest:
