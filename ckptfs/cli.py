@@ -103,7 +103,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
                           tuple(a.retain) if a.retain else DEFAULT_RETAIN,
                           tuple(a.marker) if a.marker else DEFAULT_MARKERS,
                           a.keep_local, a.keep_shared),
-                      gc_grace=a.gc_grace, nodes_required=a.nodes)
+                      gc_grace=a.gc_grace, nodes_required=a.nodes, dedup=not a.no_dedup)
     if a.keep_local < 0 or a.keep_shared < 0:
         raise CliError("--keep-local and --keep-shared must not be negative")
     if a.node_id:
@@ -178,6 +178,8 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
         out += ["--marker", g]
     if a.allow_other:
         out.append("--allow-other")
+    if a.no_dedup:
+        out.append("--no-dedup")
     return out
 
 
@@ -645,6 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="checkpoints are written by N nodes: complete only when all N "
                         "published (used by `wait --all-nodes`)")
+    m.add_argument("--no-dedup", action="store_true",
+                   help="write and upload every chunk even if identical bytes were already "
+                        "written (the incremental drain is on by default)")
     m.add_argument("--gc-grace", type=positive_float, default=60.0,
                    help="seconds an object stays unreferenced before it is deleted (default 60)")
     m.add_argument("--allow-other", action="store_true",

@@ -51,6 +51,7 @@ class MountConfig:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     gc_grace: float = 60.0
     nodes_required: int = 0
+    dedup: bool = True
 
 
 class NvmeLock:
@@ -182,6 +183,7 @@ class Daemon:
             if info.state == SegState.EVICTED:
                 self.reader.evicted.add(seg)
         self.ns = Namespace(self.index, self.seglog, self.reader)
+        self.ns.dedup = cfg.dedup
         st = os.stat(cfg.mountpoint)
         self.index.ensure_root(st.st_uid, st.st_gid, 0o755, time.time_ns())
         n = self.ns.purge_orphans()
@@ -443,6 +445,8 @@ class Daemon:
             "cache": self.cache.status(),
             "live_data_bytes": live, "segment_data_bytes": data,
             "segments_dropped": self.drain.stats.segments_dropped,
+            "dedup": {"enabled": self.ns.dedup, "hits": self.ns.dedup_hits,
+                      "bytes_not_written": self.ns.dedup_bytes},
             "gc": self.gc.status(),
             "retention": self.retention.status(),
             "corrupt_reads": self.reader.corrupt_reads,

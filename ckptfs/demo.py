@@ -68,12 +68,11 @@ def _termination_is_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP ignored (and so, for programs started meanwhile, too)."""
+def _ignored(*sigs: signal.Signals) -> Iterator[None]:
+    """These signals ignored (and so, for programs started meanwhile, too)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
     try:
         yield
@@ -111,6 +110,7 @@ def _rank_main(rank: int, ranks: int, nfiles: int, size: int, jobs: Any, results
                start: Any, shards_done: Any) -> None:
     # Ctrl-C reaches the whole process group; the parent decides and terminates us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         view, sums = _rank_blobs(rank, nfiles, size)
         meta = _metadata(ranks, nfiles, size) if rank == 0 else b""
@@ -152,8 +152,8 @@ class Ranks:
                                         start, shards_done))
                       for r in range(ranks)]
         # Children start with Ctrl-C ignored, so an interrupt during their imports prints no
-        # tracebacks: the parent handles it and terminates them.
-        with _sigint_ignored():
+        # tracebacks: the parent handles it and terminates them (SIGTERM stays default).
+        with _ignored(signal.SIGINT):
             for p in self.procs:
                 p.start()
 
@@ -376,7 +376,8 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
         return 1
     finally:
         # A second Ctrl-C must not leave a half-cleaned mount: every step below is bounded.
-        with _sigint_ignored():
+        # Programs it starts inherit the ignoring; the daemon is in its own session anyway.
+        with _ignored(signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             if writers is not None:
                 writers.close(graceful=ok)
             if layout.mount_type(dirs.mnt) is not None or _find_daemon(dirs.mnt) is not None:

@@ -61,7 +61,7 @@ def read_file(store: SharedStore, e: manifest.Entry) -> Iterator[tuple[int, byte
         node, seg = manifest.split_obj(obj)
         whole = store.read_range(node, seg, pos, fmt.RECORD_HEADER_SIZE + rec_len)
         hdr = fmt.decode_header(whole) if len(whole) >= fmt.RECORD_HEADER_SIZE else None
-        if hdr is None or hdr[0] != fmt.RecType.WRITE or hdr[1] != rec_len \
+        if hdr is None or hdr[0] not in fmt.DATA_TYPES or hdr[1] != rec_len \
                 or not fmt.verify_record(whole):
             raise ExportError(f"{e.path}: checksum mismatch in object {obj} at offset {pos}")
         start = fmt.RECORD_HEADER_SIZE + skip

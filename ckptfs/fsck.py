@@ -79,8 +79,8 @@ def fsck(store: SharedStore, deep: bool = False,
         rows = {r[0]: r for r in sealed.rows}
         for pos, rec_len in sorted(uses):
             row = rows.get(pos)
-            if row is None or row[1] != fmt.RecType.WRITE or row[2] != rec_len:
-                rep.problems.append(f"{obj}: a manifest extent names no WRITE record of "
+            if row is None or row[1] not in fmt.DATA_TYPES or row[2] != rec_len:
+                rep.problems.append(f"{obj}: a manifest extent names no data record of "
                                     f"length {rec_len} at offset {pos}")
         if deep:
             for row in sealed.rows:

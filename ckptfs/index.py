@@ -22,6 +22,9 @@ Databases (keys big-endian so that LMDB's byte order is numeric order):
     objids     b"node/segment-id-hex" -> vseg u64
     origins    ino u64 -> JSON {"node", "mtime_ns", "size"}: the file was imported from that
                node's manifest and not modified here since
+    chunks     xxh3-128 of a WRITE payload -> seg u64, record position u64, length u32: a
+               cache for the incremental drain (not derived from the log; losing it only
+               loses deduplication)
 
 LMDB runs with metasync off: a power loss can undo the last index commit but never breaks the
 index, and the log replay redoes what it undid.
@@ -51,6 +54,7 @@ DIRENT = struct.Struct("<QQ")
 # state u8, pad, size u64, dead bytes u64, sealed time_ns i64, data bytes u64
 SEGMENT = struct.Struct("<B7xQQqQ")
 APPLIED = struct.Struct("<QQQ")
+CHUNK = struct.Struct("<QQI")
 
 ROOT_INO = 1
 VSEG_BIT = 1 << 63
@@ -60,7 +64,7 @@ def read_applied(path: str) -> tuple[int, int, int] | None:
     """The log position an index (or a snapshot of one) reflects, without opening it for
     writing."""
     try:
-        env = lmdb.open(path, readonly=True, max_dbs=12, lock=False)
+        env = lmdb.open(path, readonly=True, max_dbs=16, lock=False)
     except lmdb.Error:
         return None
     try:
@@ -157,7 +161,7 @@ class Index:
 
     def __init__(self, path: str, map_size: int = 1 << 36):
         os.makedirs(path, exist_ok=True)
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=12, metasync=False, sync=True,
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=16, metasync=False, sync=True,
                              writemap=False, readahead=False, lock=True)
         self.meta = self.env.open_db(b"meta")
         self.inodes = self.env.open_db(b"inodes")
@@ -169,6 +173,7 @@ class Index:
         self.objrefs = self.env.open_db(b"objrefs")
         self.objids = self.env.open_db(b"objids")
         self.origins = self.env.open_db(b"origins")
+        self.chunks = self.env.open_db(b"chunks")
         self.txn = self.env.begin(write=True)
         self.dirty = 0
         raw = self.txn.get(b"applied", db=self.meta)
@@ -199,7 +204,8 @@ class Index:
     def wipe(self) -> None:
         """Forget everything (replay from the start of the log rebuilds it)."""
         for db in (self.meta, self.inodes, self.dirents, self.cookies, self.extents,
-                   self.segments, self.xattrs, self.objrefs, self.objids, self.origins):
+                   self.segments, self.xattrs, self.objrefs, self.objids, self.origins,
+                   self.chunks):
             self.txn.drop(db, delete=False)
         self.applied = (0, 0, 0)
         self.next_ino = ROOT_INO + 1
@@ -396,7 +402,7 @@ class Index:
     def apply(self, seg: int, rec: Record) -> None:
         """Apply one record. Deterministic: the same records give the same index."""
         t = rec.type
-        if t == RecType.WRITE or t == RecType.RELOC:
+        if t == RecType.WRITE or t == RecType.RELOC or t == RecType.REF:
             self._apply_write(seg, rec)
         elif t == RecType.CREATE:
             self._apply_create(rec)
@@ -431,10 +437,15 @@ class Index:
         if not reloc:
             self._clear_origin(rec.ino)  # modified here: the file is this node's now
         off, n = rec.offset, rec.length
+        ext_seg, ext_pos = seg, rec.pos
+        if rec.type == RecType.REF:
+            # the bytes are those of an earlier record: point there, and count this reference
+            # as data of that segment so it stays alive while the reference does
+            ext_seg, ext_pos, n = fmt.REF_BODY.unpack_from(rec.payload)
         if n:
-            self._data[seg] = self._data.get(seg, 0) + n
+            self._data[ext_seg] = self._data.get(ext_seg, 0) + n
             self._punch(rec.ino, off, off + n)
-            self._put_ext(rec.ino, Extent(off, seg, rec.pos, 0, n, n))
+            self._put_ext(rec.ino, Extent(off, ext_seg, ext_pos, 0, n, n))
             if off + n > ino.size:
                 ino.size = off + n
         if reloc:
@@ -456,6 +467,16 @@ class Index:
         self.put_inode(ino)
         origin = {"node": body["origin"], "mtime_ns": body["mtime_ns"], "size": body["size"]}
         self.txn.put(k_ino(rec.ino), json.dumps(origin).encode(), db=self.origins)
+
+    def chunk(self, digest: bytes) -> tuple[int, int, int] | None:
+        raw = self.txn.get(digest, db=self.chunks)
+        return CHUNK.unpack(raw) if raw is not None else None
+
+    def put_chunk(self, digest: bytes, seg: int, pos: int, length: int) -> None:
+        self.txn.put(digest, CHUNK.pack(seg, pos, length), db=self.chunks)
+
+    def drop_chunk(self, digest: bytes) -> None:
+        self.txn.delete(digest, db=self.chunks)
 
     def objref_id(self, obj: str) -> int:
         """The vseg id standing for published object "node/segid" (allocated on first use)."""

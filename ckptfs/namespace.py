@@ -16,6 +16,8 @@ import stat
 import time
 from dataclasses import dataclass, field
 
+import xxhash
+
 from ckptfs import segment as fmt
 from ckptfs.errors import FsError
 from ckptfs.index import ROOT_INO, VSEG_BIT, Extent, Index, Inode, SegState
@@ -26,6 +28,7 @@ from ckptfs.segment import RecType
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
+DEDUP_MIN = 64 << 10  # smaller writes are not worth a chunk-table entry
 
 
 def check_name(name: bytes) -> None:
@@ -53,18 +56,24 @@ class Namespace:
         self.ops = OpCounts()
         self.last_write_ns = 0
         self.cache = None  # LocalCache, set by the daemon
-
+        self._active_seg = 0
+        self.dedup = True
+        self.dedup_hits = 0
+        self.dedup_bytes = 0
     # --- plumbing -------------------------------------------------------------------------
 
     def record(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview = b"",
-               time_ns: int | None = None) -> None:
-        """Append a record and apply it: the one way anything changes."""
+               time_ns: int | None = None) -> tuple[int, int]:
+        """Append a record and apply it: the one way anything changes. (segment, position)"""
         seg, rec = self.log.append(rtype, ino, offset, payload, time_ns)
-        if self.index.get_segment(seg) is None:
-            self.index.set_segment(seg, SegState.ACTIVE)
+        if seg != self._active_seg:
+            if self.index.get_segment(seg) is None:
+                self.index.set_segment(seg, SegState.ACTIVE)
+            self._active_seg = seg
         self.index.apply(seg, rec)
         if self.log.should_seal():
             self.seal("size")
+        return seg, rec.pos
 
     def seal(self, reason: str) -> int | None:
         """Seal the active segment; returns its id (or None if it was empty)."""
@@ -283,11 +292,29 @@ class Namespace:
             self._maybe_purge(ino)
 
     def write(self, ino: int, off: int, data: bytes | memoryview) -> int:
-        if off + len(data) > (1 << 62):
+        n = len(data)
+        if off + n > (1 << 62):
             raise FsError(errno.EFBIG)
-        self.record(RecType.WRITE, ino, off, data)
+        if self.dedup and n >= DEDUP_MIN:
+            digest = xxhash.xxh3_128_digest(data)
+            hit = self.index.chunk(digest)
+            if hit is not None and hit[2] == n and self._chunk_alive(hit[0]):
+                # the incremental drain: these bytes are already in an earlier record (and
+                # published, or about to be, before this one): reference them
+                self.record(RecType.REF, ino, off, fmt.REF_BODY.pack(hit[0], hit[1], n))
+                self.dedup_hits += 1
+                self.dedup_bytes += n
+            else:
+                seg, pos = self.record(RecType.WRITE, ino, off, data)
+                self.index.put_chunk(digest, seg, pos, n)
+        else:
+            self.record(RecType.WRITE, ino, off, data)
         self.last_write_ns = time.time_ns()
-        return len(data)
+        return n
+
+    def _chunk_alive(self, seg: int) -> bool:
+        info = self.index.get_segment(seg)
+        return info is not None and info.state != SegState.DROPPED
 
     def read_plan(self, ino: int, off: int, size: int) -> tuple[list[Extent], int, bool]:
         """(extents, file size, all local?) for a read; resolves shared object names."""

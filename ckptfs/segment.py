@@ -57,9 +57,10 @@ class RecType:
     XATTR = 8  # ino; payload = name len u16 + name + value (value absent => remove)
     IMPORT = 9  # ino; payload = JSON: a file's content as ranges of published objects
     RELOC = 10  # like WRITE, but moves data (compaction): changes no times, same bytes
+    REF = 11  # ino, offset; payload = REF_BODY: data identical to an earlier WRITE record's
 
     NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
-             7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC"}
+             7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC", 11: "REF"}
 
 
 DATA_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -70,6 +71,8 @@ DATA_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 CREATE_BODY = struct.Struct("<QIIIIHH")
 # RENAME: old parent u64, new parent u64, flags u32, old name len u16, new name len u16
 RENAME_BODY = struct.Struct("<QQIHH")
+# REF: segment id u64, record position u64, length u32 (the whole payload of that record)
+REF_BODY = struct.Struct("<QQI")
 # SETATTR: mask u32, mode u32, uid u32, gid u32, size u64, atime_ns i64, mtime_ns i64, ctime i64
 SETATTR_BODY = struct.Struct("<IIIIQqqq")
 SET_MODE, SET_UID, SET_GID, SET_SIZE, SET_ATIME, SET_MTIME, SET_CTIME = (1, 2, 4, 8, 16, 32, 64)
@@ -272,7 +275,7 @@ def _find_next_valid(f: BinaryIO, start: int, file_size: int, path: str) -> int 
 def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = False,
                  read_payload_types: frozenset[int] = frozenset(
                      {RecType.CREATE, RecType.UNLINK, RecType.RENAME, RecType.SETATTR,
-                      RecType.PURGE, RecType.XATTR, RecType.IMPORT}),
+                      RecType.PURGE, RecType.XATTR, RecType.IMPORT, RecType.REF}),
                  result: ScanResult | None = None,
                  table: dict[int, tuple] | None = None) -> Iterator[Record]:
     """Yield verified records from `start`. Data payloads are checksummed but not returned
