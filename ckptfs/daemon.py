@@ -22,7 +22,7 @@ from ckptfs.cache import CacheConfig, LocalCache
 from ckptfs.drain import Drain
 from ckptfs.gc import Collector
 from ckptfs.retention import Retention, RetentionConfig
-from ckptfs.index import Index, SegState
+from ckptfs.index import ROOT_INO, Index, SegState
 from ckptfs.remote import Refresher, fetch_manifests
 from ckptfs.shared import SharedError, SharedStore, check_node_id
 from ckptfs.log import SegmentLog
@@ -184,8 +184,10 @@ class Daemon:
                 self.reader.evicted.add(seg)
         self.ns = Namespace(self.index, self.seglog, self.reader)
         self.ns.dedup = cfg.dedup
-        st = os.stat(cfg.mountpoint)
-        self.index.ensure_root(st.st_uid, st.st_gid, 0o755, time.time_ns())
+        if self.replay_report.segments == 0 and self.index.applied == (0, 0, 0):
+            # a new filesystem: its root belongs to the mount point's owner, as a record
+            st = os.stat(cfg.mountpoint)
+            self.ns.setattr(ROOT_INO, mode=0o755, uid=st.st_uid, gid=st.st_gid)
         n = self.ns.purge_orphans()
         if n:
             log.info("purged %d orphaned inodes (unlinked while open before a crash)", n)
@@ -282,8 +284,6 @@ class Daemon:
                 log.exception("retention pass failed; will try again")
 
     def retention_pass(self) -> dict:
-        from ckptfs.index import ROOT_INO
-
         res = self.retention.run_once()
         for name in res["deleted"]:
             try:
@@ -386,8 +386,6 @@ class Daemon:
 
     def _resolve(self, rel: str) -> int:
         """The inode at a path relative to the mount root (ENOENT -> ValueError)."""
-        from ckptfs.index import ROOT_INO
-
         ino = ROOT_INO
         for comp in rel.split("/"):
             if comp in ("", "."):

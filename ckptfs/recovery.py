@@ -97,6 +97,9 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
     rep = ReplayReport(full=full)
     if full:
         index.wipe()
+    # the root exists before any record (its owner and mode are a SETATTR record of the
+    # first mount), so directories created under it count in its nlink during replay too
+    index.ensure_root(0, 0, 0o755, 0)
     local = seglog.existing()
     local_set = set(local)
     remote: list[int] = []
