@@ -31,6 +31,7 @@ from ckptfs.reads import Reader
 log = logging.getLogger(__name__)
 
 HEADROOM = 64 << 20  # keep this much free on the NVMe filesystem for the log and the index
+CHECK_EVERY = 32 << 20  # bytes written between two measurements on the write path
 
 
 @dataclass
@@ -59,6 +60,7 @@ class LocalCache:
         self.enospc_errors = 0
         self.state = "ok"
         self._space = trio.Event()
+        self._since_check = 0
         self.local_bytes = self._count_local()
 
     def _count_local(self) -> int:
@@ -137,9 +139,9 @@ class LocalCache:
     def check(self, kick: Callable[[], Any] | None = None) -> None:
         frac, hard = self.usage()
         if frac >= self.cfg.high or hard:
-            n = self.evict_to(self.cfg.low)
+            self.evict_to(self.cfg.low)
             frac, hard = self.usage()
-            if hard and not n:
+            if hard:
                 if self.state != "full":
                     log.warning("local disk full (%.0f%% used) and nothing is published yet "
                                 "to evict: writers wait for the drain", frac * 100)
@@ -154,6 +156,17 @@ class LocalCache:
         ev.set()
 
     # --- backpressure -----------------------------------------------------------------------
+
+    def admit(self, nbytes: int) -> bool:
+        """Fast check on the write path: may nbytes be appended now? Re-measures (and evicts)
+        when the cache-size cap would be crossed or every CHECK_EVERY bytes."""
+        self._since_check += nbytes
+        over_cap = bool(self.cfg.cache_size) and (
+            self.local_bytes + self.active_bytes() + nbytes > self.cfg.cache_size)
+        if over_cap or self._since_check >= CHECK_EVERY:
+            self._since_check = 0
+            self.check()
+        return self.state != "full"
 
     async def reserve(self, nbytes: int) -> None:
         """Called before appending nbytes: wait while the local tier is full."""

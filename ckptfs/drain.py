@@ -35,7 +35,7 @@ from ckptfs.shared import RateLimiter, SharedStore, describe_oserror
 log = logging.getLogger(__name__)
 
 PUBLISHED_DIR = "published"
-MAX_BACKOFF = 30.0
+MAX_BACKOFF = 10.0
 
 
 @dataclass
@@ -184,19 +184,10 @@ class Drain:
         if st is None or st.state not in (SegState.SEALED, SegState.UPLOADING):
             return
         size = st.size
-        if st.data > 0 and st.live == 0:
-            # superseded: everything it holds was deleted or overwritten before it left; the
-            # records stay on NVMe for replay and the published view, no object is made
-            self.index.set_segment(seg, SegState.DROPPED)
-            self.stats.segments_dropped += 1
-            log.info("dropped segment %s from the drain (%d bytes, all data superseded)",
-                     fmt.segment_name(seg), size)
-            return
         if st.state == SegState.SEALED:
             self.index.set_segment(seg, SegState.UPLOADING)
             await self.commit()  # intent before the side effect
         t0 = time.monotonic()
-        self.in_flight[seg] = 0
 
         def progress(n: int) -> None:
             self.in_flight[seg] = self.in_flight.get(seg, 0) + n
@@ -211,7 +202,27 @@ class Drain:
                 raise OSError(5, f"segment {fmt.segment_name(seg)} changed size during upload")
             return n
 
-        n = await self._retrying(f"upload {fmt.segment_name(seg)}", upload)
+        delay = 0.5
+        while True:
+            info = self.index.get_segment(seg)
+            if info is not None and info.data > 0 and info.live == 0:
+                # superseded (checked before every attempt: a retention pass may have deleted
+                # its checkpoint while the store was failing): everything it holds is dead, so
+                # no object is made; its records stay on NVMe for replay and the view
+                self.in_flight.pop(seg, None)
+                self.index.set_segment(seg, SegState.DROPPED)
+                self.stats.segments_dropped += 1
+                log.info("dropped segment %s from the drain (%d bytes, all data superseded)",
+                         fmt.segment_name(seg), size)
+                return
+            try:
+                n = await trio.to_thread.run_sync(upload, limiter=self._thread_limiter)
+                break
+            except OSError as e:
+                self._error(f"upload {fmt.segment_name(seg)}: {describe_oserror(e)}")
+                self.stats.retries += 1
+                await trio.sleep(delay)
+                delay = min(delay * 2, MAX_BACKOFF)
         self.in_flight.pop(seg, None)
         dt = time.monotonic() - t0
         self.index.set_segment(seg, SegState.PUBLISHED)

@@ -180,7 +180,7 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         cache = self.ns.cache
-        if cache is not None and cache.state == "full":
+        if cache is not None and not cache.admit(len(buf)):
             await cache.reserve(len(buf))  # backpressure: wait for the drain to make room
         return self.ns.write(fh, off, buf)
 

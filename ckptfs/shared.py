@@ -112,6 +112,14 @@ class SharedStore:
     def put_object(self, node: str, seg: int, src: str, limiter: RateLimiter | None = None,
                    progress: Callable[[int], None] | None = None) -> tuple[int, str]:
         """Publish local segment file `src` as node's object `seg`; returns (size, xxh3_128)."""
+        try:
+            return self._put_object(node, seg, src, limiter, progress)
+        except OSError:
+            self._known_dirs.clear()  # the store may have lost our directories: look again
+            raise
+
+    def _put_object(self, node: str, seg: int, src: str, limiter: RateLimiter | None,
+                    progress: Callable[[int], None] | None) -> tuple[int, str]:
         dest = self.object_path(node, seg)
         d = os.path.dirname(dest)
         self._ensure_dir(d)
@@ -175,7 +183,11 @@ class SharedStore:
         self._op("fsync")
         self._op("rename")
         self._op("fsync_dir")
-        layout.publish_bytes(dest, data)
+        try:
+            layout.publish_bytes(dest, data)
+        except OSError:
+            self._known_dirs.clear()
+            raise
         return dest
 
     def delete_object(self, node: str, seg: int) -> None:
