@@ -20,6 +20,8 @@ from ckptfs.segment import RecType, Record
 
 log = logging.getLogger(__name__)
 
+GROUP_YIELDS = int(os.environ.get("CKPTFS_GROUP_YIELDS", "2"))
+
 
 @dataclass
 class LogStats:
@@ -156,6 +158,10 @@ class SegmentLog:
         goal = (self.seg_id, self.tail)
         if not self._unsynced and not self._dir_dirty and self.synced >= goal:
             return
+        # group commit: let requests that are already in flight append before the device
+        # flush starts, so one fdatasync covers them too
+        for _ in range(GROUP_YIELDS):
+            await trio.sleep(0)
         async with self._flush_lock:
             if self.synced >= goal and not self._unsynced and not self._dir_dirty:
                 return  # a flush that started after our append covered us
