@@ -82,8 +82,11 @@ def cmd_mount(a: argparse.Namespace) -> int:
     from ckptfs.daemon import MountConfig, run_foreground
     from ckptfs.retention import DEFAULT_MARKERS, DEFAULT_RETAIN, RetentionConfig
 
-    nvme, shared, mnt = (os.path.abspath(p) for p in (a.nvme, a.shared, a.mountpoint))
+    nvme, mnt = os.path.abspath(a.nvme), os.path.abspath(a.mountpoint)
+    shared = a.shared if a.shared.startswith("s3://") else os.path.abspath(a.shared)
     for what, d in (("NVME", nvme), ("SHARED", shared)):
+        if d.startswith("s3://"):
+            continue
         if not os.path.isdir(d):
             raise CliError(f"{what} directory {d} does not exist")
     check_mountpoint(mnt)
@@ -276,9 +279,9 @@ def cmd_replay(a: argparse.Namespace) -> int:
         raise CliError(f"{nvme} holds no ckptfs log (no {layout.SEGMENT_DIR}/ directory)")
     store = None
     if a.shared:
-        from ckptfs.shared import SharedStore
+        from ckptfs.shared import open_store
 
-        store = SharedStore(os.path.abspath(a.shared))
+        store = open_store(a.shared)
     ident: dict = {}
     try:
         with open(os.path.join(nvme, layout.IDENTITY_FILE)) as f:
@@ -398,7 +401,7 @@ def _wait_all_nodes(a: argparse.Namespace) -> None:
     its marker is there (read from SHARED, like any other node would)."""
     from ckptfs import api
     from ckptfs.export import checkpoints, merged_view, top_marker_targets
-    from ckptfs.shared import SharedStore
+    from ckptfs.shared import open_store
 
     st = api.status(a.path)
     need = a.all_nodes if a.all_nodes > 0 else int(st.get("nodes_required") or 0)
@@ -409,7 +412,7 @@ def _wait_all_nodes(a: argparse.Namespace) -> None:
 
     _sock, rel = control.find_socket(a.path)
     top = rel.split("/", 1)[0]
-    store = SharedStore(st["shared"])
+    store = open_store(st["shared"])
     ret = tuple(st.get("retain") or ()) or ("*",)
     marks = tuple(st.get("markers") or ())
     deadline = None if a.timeout is None else time.monotonic() + a.timeout
@@ -432,7 +435,7 @@ def _open_store(path: str) -> Any:
     from ckptfs.shared import SharedError
 
     try:
-        return check_store(os.path.abspath(path))
+        return check_store(path)
     except SharedError as e:
         raise CliError(str(e)) from None
 

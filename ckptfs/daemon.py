@@ -24,7 +24,7 @@ from ckptfs.gc import Collector
 from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.index import ROOT_INO, Index, SegState
 from ckptfs.remote import Refresher, fetch_manifests
-from ckptfs.shared import SharedError, SharedStore, check_node_id
+from ckptfs.shared import SharedError, SharedStore, check_node_id, open_store
 from ckptfs.log import SegmentLog
 from ckptfs.namespace import Namespace
 from ckptfs.reads import Reader
@@ -142,14 +142,20 @@ class Daemon:
         cfg = self.cfg
         for what, d in (("NVME", cfg.nvme), ("SHARED", cfg.shared),
                         ("MOUNTPOINT", cfg.mountpoint)):
+            if what == "SHARED" and d.startswith("s3://"):
+                continue
             if not os.path.isdir(d):
                 raise CliError(f"{what} directory {d} does not exist")
         if not os.path.exists("/dev/fuse"):
             raise CliError("/dev/fuse is missing: load the fuse module or run the container "
                            "with --device /dev/fuse")
         self.lock.acquire()
-        layout.init_shared(cfg.shared)
-        self.store = SharedStore(cfg.shared)
+        try:
+            self.store = open_store(cfg.shared, cfg.upload_streams)
+            self.store.init()
+        except SharedError as e:
+            self.lock.release()
+            raise CliError(str(e)) from None
         try:
             objs = self.store.list_objects(cfg.node_id or socket.gethostname())
         except OSError:

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 from ckptfs import manifest
 from ckptfs import segment as fmt
 from ckptfs.remote import fetch_manifests
-from ckptfs.shared import SharedError, SharedStore
+from ckptfs.shared import SharedError, SharedStore, open_store
 
 
 class ExportError(Exception):
@@ -31,7 +31,7 @@ class View:
 
 
 def merged_view(store: SharedStore) -> View:
-    if not os.path.isdir(store.root):
+    if not store.exists():
         raise ExportError(f"{store.base} holds no ckptfs shared store (no {store.root})")
     errors: list[str] = []
     found = fetch_manifests(store, {}, errors)
@@ -123,8 +123,12 @@ def export(store: SharedStore, prefix: str, dest: str,
 
 
 def check_store(path: str) -> SharedStore:
-    store = SharedStore(path)
-    if not os.path.isdir(store.root):
+    store = open_store(path)
+    try:
+        ok = store.exists()
+    except OSError as e:
+        raise SharedError(f"cannot read {path}: {e}") from None
+    if not ok:
         raise SharedError(f"{path} holds no ckptfs shared store (no {store.root})")
     return store
 

@@ -100,6 +100,18 @@ class SharedStore:
             self._op("fsync_dir")
         self._known_dirs.add(d)
 
+    def init(self) -> None:
+        """Create ckptfs's layout (idempotent); SharedError with one line if that fails."""
+        from ckptfs.errors import CliError
+
+        try:
+            layout.init_shared(self.base)
+        except CliError as e:
+            raise SharedError(str(e)) from None
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.root)
+
     def check(self) -> None:
         """Fail with one clear line if the store is not usable right now."""
         if not os.path.isdir(self.root):
@@ -294,6 +306,15 @@ class SharedStore:
             for fd in self._read_fds.values():
                 os.close(fd)
             self._read_fds.clear()
+
+
+def open_store(location: str, streams: int = 4) -> "SharedStore":
+    """The shared store at a directory path or an s3://bucket/prefix URL."""
+    if location.startswith("s3://"):
+        from ckptfs.s3 import S3Store
+
+        return S3Store(location, streams=streams)  # type: ignore[return-value]
+    return SharedStore(os.path.abspath(location))
 
 
 def describe_oserror(e: OSError) -> str:
