@@ -63,9 +63,23 @@ def _fusermount(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["fusermount3", *args], capture_output=True, text=True)
 
 
+def _dead_ckptfs_mount(mnt: str) -> bool:
+    """A ckptfs mount whose daemon is gone. The kernel may still answer stat from its
+    attribute cache for a few seconds after the daemon died, so ask the daemon itself."""
+    if layout.mount_type(mnt) != layout.FSTYPE:
+        return False
+    try:
+        pid = int(os.getxattr(mnt, "user.ckptfs.pid"))
+    except OSError as e:
+        return e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO)
+    except ValueError:
+        return False
+    return not _pid_alive(pid)
+
+
 def check_mountpoint(mnt: str) -> None:
     """Clean a stale mount left by a crash; refuse a live one."""
-    if _is_stale(mnt):
+    if _is_stale(mnt) or _dead_ckptfs_mount(mnt):
         log.warning("%s is a dead mount (ENOTCONN); cleaning it up", mnt)
         _fusermount("-uz", mnt)
         if _is_stale(mnt):
@@ -203,7 +217,7 @@ def _pid_alive(pid: int) -> bool:
 
 def cmd_umount(a: argparse.Namespace) -> int:
     mnt = os.path.abspath(a.mountpoint)
-    if _is_stale(mnt):
+    if _is_stale(mnt) or _dead_ckptfs_mount(mnt):
         _fusermount("-uz", mnt)
         print(f"{mnt} was a dead mount; cleaned up")
         return 0
@@ -277,17 +291,18 @@ def cmd_replay(a: argparse.Namespace) -> int:
     nvme = os.path.abspath(a.nvme)
     if not os.path.isdir(os.path.join(nvme, layout.SEGMENT_DIR)):
         raise CliError(f"{nvme} holds no ckptfs log (no {layout.SEGMENT_DIR}/ directory)")
-    store = None
-    if a.shared:
-        from ckptfs.shared import open_store
-
-        store = open_store(a.shared)
     ident: dict = {}
     try:
         with open(os.path.join(nvme, layout.IDENTITY_FILE)) as f:
             ident = json.load(f)
     except (OSError, ValueError):
         pass
+    store = None
+    shared = a.shared or ident.get("shared")  # where the last mount drained to
+    if shared:
+        from ckptfs.shared import open_store
+
+        store = open_store(shared)
     lock = NvmeLock(nvme)
     lock.acquire()
     try:
@@ -675,7 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "running on NVME). Exit 1 if corruption was found.")
     r.add_argument("nvme", metavar="NVME")
     r.add_argument("--shared", metavar="SHARED",
-                   help="the shared store: segments evicted from NVME are replayed from it")
+                   help="the shared store: segments evicted from NVME are replayed from it "
+                        "(default: the one NVME was last mounted with)")
     r.add_argument("--tail", action="store_true",
                    help="only replay beyond the index's last commit (what a mount does)")
     r.add_argument("--json", action="store_true", help="machine-readable report")
@@ -816,7 +832,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptfs: error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return 1  # the reader of our output went away (`ckptfs ls | head`)
     except OSError as e:
-        where = f" {e.filename}" if e.filename else ""
-        print(f"ckptfs: error:{where}: {e.strerror or e}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"ckptfs: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1

@@ -1,4 +1,5 @@
-"""The control channel: a unix socket in NVME speaking one JSON object per line.
+"""The control channel: a unix socket (/run/ckptfs/<hash of NVME>.sock, or under the temp
+dir when /run is not writable) speaking one JSON object per line.
 
 The CLI finds it through the mount itself: `getxattr(MOUNTPOINT, "user.ckptfs.control")`
 returns the socket path, so `ckptfs status /ckpt/step_5` works from any path in the mount.

@@ -22,7 +22,8 @@ from ckptfs.cache import CacheConfig, LocalCache
 from ckptfs.drain import Drain
 from ckptfs.gc import Collector
 from ckptfs.retention import Retention, RetentionConfig
-from ckptfs.index import ROOT_INO, Index, SegState
+from ckptfs.drain import PUBLISHED_DIR
+from ckptfs.index import ROOT_INO, Index, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
 from ckptfs.shared import SharedError, SharedStore, check_node_id, open_store
 from ckptfs.log import SegmentLog
@@ -83,7 +84,7 @@ class NvmeLock:
             self.fd = -1
 
 
-def identity(nvme: str, node_id: str | None, first_seg: int) -> dict:
+def identity(nvme: str, node_id: str | None, first_seg: int, shared: str) -> dict:
     """NVME's identity file: which node it belongs to and its first segment id.
 
     Created on first mount. A later mount with another --node-id is refused: its objects on
@@ -96,6 +97,9 @@ def identity(nvme: str, node_id: str | None, first_seg: int) -> dict:
         if node_id and ident.get("node") != node_id:
             raise CliError(f"{nvme} belongs to node {ident.get('node')!r}; mount it with "
                            f"--node-id {ident.get('node')} (or use an empty NVME directory)")
+        if ident.get("shared") != shared:  # remembered for `ckptfs replay`
+            ident["shared"] = shared
+            layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
         return ident
     except FileNotFoundError:
         pass
@@ -103,7 +107,7 @@ def identity(nvme: str, node_id: str | None, first_seg: int) -> dict:
         raise CliError(f"{path} is unreadable; it says which node this directory belongs "
                        f"to") from None
     ident = {"node": node_id or socket.gethostname(), "first_segment": first_seg,
-             "created_ns": time.time_ns()}
+             "created_ns": time.time_ns(), "shared": shared}
     layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
     return ident
 
@@ -152,6 +156,11 @@ class Daemon:
         self.lock.acquire()
         try:
             self.store = open_store(cfg.shared, cfg.upload_streams)
+            pub = read_applied(os.path.join(cfg.nvme, PUBLISHED_DIR))
+            if pub is not None and pub[2] > 0 and not self.store.exists():
+                raise SharedError(
+                    f"{cfg.shared} holds no ckptfs store, but this NVME directory published "
+                    f"to one before: is the shared filesystem mounted?")
             self.store.init()
         except SharedError as e:
             self.lock.release()
@@ -160,7 +169,7 @@ class Daemon:
             objs = self.store.list_objects(cfg.node_id or socket.gethostname())
         except OSError:
             objs = []
-        ident = identity(cfg.nvme, cfg.node_id, max(objs, default=0) + 1)
+        ident = identity(cfg.nvme, cfg.node_id, max(objs, default=0) + 1, cfg.shared)
         cfg.node_id = ident["node"]
         try:
             check_node_id(cfg.node_id)

@@ -194,6 +194,7 @@ class Drain:
 
         def upload() -> int:
             self.in_flight[seg] = 0
+            self.store.check()
             if self.store.object_ok(self.node, seg, size):
                 return 0  # published before a crash; the name is final, keep it
             n, _h = self.store.put_object(self.node, seg, self.seg_path(seg), self.limiter,

@@ -163,9 +163,10 @@ def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
             c.bytes += e.size
             if node not in c.nodes:
                 c.nodes.append(node)
-            base = path.rsplit("/", 1)[-1]
-            if "/" in path and any(fnmatch.fnmatchcase(base, g) for g in markers):
-                c.marker = True
+            rest = path[len(top) + 1:]
+            if path != top and "/" not in rest and \
+                    any(fnmatch.fnmatchcase(rest, g) for g in markers):
+                c.marker = True  # a direct child, as the mount's retention counts it
     for name in named:
         if name in out:
             out[name].marker = True

@@ -1,6 +1,6 @@
 """fsck of the shared store: are the manifests valid, and is every byte they name there?
 
-Checks, per node: the newest manifest parses (older ones too with --all); every object it
+Checks, per node: the newest manifest parses; every object it
 names exists with the size the manifest records, ends in a valid footer and record table;
 every extent points at a WRITE record of that table whose length matches. --deep also reads
 every record of every referenced object and verifies its checksum. Objects no manifest

@@ -1,8 +1,10 @@
 """Garbage collection: free segments whose data nobody references any more, on both tiers.
 
 A segment is garbage when all the data it ever held is dead (overwritten, truncated, or its
-files deleted: by `rm -rf` or by retention) in the live index *and* in the published view,
-no manifest of any node on SHARED names it, and it has stayed that way for a grace period
+files deleted: by `rm -rf` or by retention; a segment of metadata records only holds none)
+in the live index *and* in the published view, the newest manifest of no other node names
+it (our own manifests are built from the published view), and it has stayed that way for a
+grace period
 (other nodes may have imported its ranges and not refreshed yet). Then its object on SHARED
 is deleted (one unlink per object, never per file) and so is its local file.
 
@@ -116,14 +118,14 @@ class Collector:
                 log.exception("garbage collection failed; will try again")
 
     def dead_segments(self) -> list[tuple[int, int, int]]:
-        """(seg, state, size) of segments with data and no live data, behind the view."""
+        """(seg, state, size) of segments with no live data, strictly behind the view."""
         pub_seg = self.drain.pub.applied[0]
         out = []
         for seg, i in self.index.iter_segments():
             if seg > pub_seg:
                 break
             if i.state in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED) \
-                    and i.data > 0 and i.live == 0:
+                    and i.live == 0 and seg < pub_seg:
                 out.append((seg, i.state, i.size))
         return out
 

@@ -10,6 +10,7 @@ Databases (keys big-endian so that LMDB's byte order is numeric order):
 
     meta       b"applied" -> seg u64, pos u64, seq u64   (log position the index reflects)
                b"next_ino" -> u64
+               b"next_objref" -> u64                      (next vseg id to hand out)
     inodes     ino u64 -> INODE struct (+ symlink target bytes)
     dirents    parent u64 + name -> child ino u64, cookie u64
     cookies    parent u64 + cookie u64 -> name       (readdir order and resumable offsets)

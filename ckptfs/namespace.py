@@ -145,9 +145,11 @@ class Namespace:
                   target: bytes = b"", kernel: bool = False) -> Inode:
         """Create an inode and its entry; kernel=True when the reply hands it to the kernel."""
         check_name(name)
-        self._dir(parent)
+        pnode = self._dir(parent)
         if self.index.lookup(parent, name) is not None:
             raise FsError(errno.EEXIST)
+        if pnode.mode & stat.S_ISGID:
+            gid = pnode.gid  # as on ext4: a setgid directory passes its group on
         ino = self.index.next_ino
         self.index.next_ino += 1
         self.record(RecType.CREATE, ino, 0, fmt.create_body(parent, mode, uid, gid, rdev, name,
@@ -172,10 +174,8 @@ class Namespace:
 
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         self.ops.bump("mkdir")
-        # setgid directories pass their group and the bit on, as on ext4
-        pnode = self._dir(parent)
-        if pnode.mode & stat.S_ISGID:
-            gid = pnode.gid
+        # setgid directories pass the bit on to subdirectories, as on ext4
+        if self._dir(parent).mode & stat.S_ISGID:
             mode |= stat.S_ISGID
         return self.make_node(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid,
                               kernel=True)
@@ -314,7 +314,8 @@ class Namespace:
 
     def _chunk_alive(self, seg: int) -> bool:
         info = self.index.get_segment(seg)
-        return info is not None and info.state != SegState.DROPPED
+        # a segment with no live data left may be on its way out (GC): never point into it
+        return info is not None and info.state != SegState.DROPPED and info.live > 0
 
     def read_plan(self, ino: int, off: int, size: int) -> tuple[list[Extent], int, bool]:
         """(extents, file size, all local?) for a read; resolves shared object names."""

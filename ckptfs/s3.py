@@ -141,7 +141,7 @@ class S3Store:
             return False
 
     def check(self) -> None:
-        self.init()
+        self._call("head", self.client.head_object, Key=self._key(layout.SHARED_FORMAT_FILE))
 
     # --- writing ----------------------------------------------------------------------------
 

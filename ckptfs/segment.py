@@ -54,7 +54,7 @@ class RecType:
     SETATTR = 5  # ino; payload = SetattrBody (mask says which fields)
     SEAL = 6  # payload = table of the segment's records
     PURGE = 7  # ino: an unlinked inode's last reference went away; its data is dead
-    XATTR = 8  # ino; payload = name len u16 + name + value (value absent => remove)
+    XATTR = 8  # ino; payload = name len u16, flag u8 (0 = remove), name, value
     IMPORT = 9  # ino; payload = JSON: a file's content as ranges of published objects
     RELOC = 10  # like WRITE, but moves data (compaction): changes no times, same bytes
     REF = 11  # ino, offset; payload = REF_BODY: data identical to an earlier WRITE record's

@@ -113,11 +113,13 @@ class SharedStore:
         return os.path.isdir(self.root)
 
     def check(self) -> None:
-        """Fail with one clear line if the store is not usable right now."""
-        if not os.path.isdir(self.root):
-            raise SharedError(f"shared store {self.root} is missing")
-        if not os.access(self.root, os.W_OK):
-            raise SharedError(f"shared store {self.root} is not writable")
+        """Before publishing: the store's layout must still be there. A NAS that is not
+        mounted any more looks like an empty directory; publishing into that would put
+        objects where no other node looks."""
+        self._op("stat")
+        if not os.path.exists(os.path.join(self.root, layout.SHARED_FORMAT_FILE)):
+            raise FileNotFoundError(errno.ENOENT, f"shared store layout {self.root}/FORMAT is "
+                                                  f"missing (is the shared filesystem mounted?)")
 
     # --- writing --------------------------------------------------------------------------
 
