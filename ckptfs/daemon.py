@@ -106,8 +106,10 @@ def identity(nvme: str, node_id: str | None, first_seg: int, shared: str) -> dic
     except (ValueError, AttributeError):
         raise CliError(f"{path} is unreadable; it says which node this directory belongs "
                        f"to") from None
+    # "adopted" turns true once the node's published namespace was imported into this new
+    # directory (see remote.Refresher.apply_all)
     ident = {"node": node_id or socket.gethostname(), "first_segment": first_seg,
-             "created_ns": time.time_ns(), "shared": shared}
+             "created_ns": time.time_ns(), "shared": shared, "adopted": False}
     layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
     return ident
 
@@ -224,11 +226,17 @@ class Daemon:
                             self.seglog.path, self.reader.forget, self.commit_index,
                             grace=cfg.gc_grace)
         self.refresher = Refresher(self.ns, self.store, cfg.node_id,
-                                   own_seq_floor=self.drain.published_seq,
+                                   fresh_nvme=not ident.get("adopted", True),
                                    interval=cfg.refresh_interval)
         try:
             found = fetch_manifests(self.store, {})
             self.refresher.apply_all(found, at_mount=True)
+            if not ident.get("adopted", True):
+                self.seglog.sync_now()  # the imports are in the log, durably: now say so
+                self.index.commit()
+                ident["adopted"] = True
+                layout.publish_bytes(os.path.join(cfg.nvme, layout.IDENTITY_FILE),
+                                     (json.dumps(ident) + "\n").encode())
         except OSError as e:
             log.warning("cannot read manifests from the shared store at mount: %s", e)
         self.index.commit()

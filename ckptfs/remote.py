@@ -68,12 +68,12 @@ def winner(a: tuple[int, str], b: tuple[int, str]) -> bool:
 
 
 class Refresher:
-    def __init__(self, ns: Namespace, store: SharedStore, node: str, own_seq_floor: int,
+    def __init__(self, ns: Namespace, store: SharedStore, node: str, fresh_nvme: bool,
                  interval: float = 5.0):
         self.ns = ns
         self.store = store
         self.node = node
-        self.own_seq_floor = own_seq_floor  # our own manifests newer than this: lost NVMe
+        self.fresh_nvme = fresh_nvme  # a new NVME directory for a node that published before
         self.interval = interval
         self.seen: dict[str, int] = {}
         self.imported = 0
@@ -110,15 +110,16 @@ class Refresher:
         return n
 
     def apply_all(self, found: dict[str, manifest.Manifest], at_mount: bool = False) -> int:
-        """Import other nodes' manifests. Our own is imported only at mount and only when it
-        is newer than our published view: the NVMe directory lost its state (a fresh disk
-        under an old node id), and the node's published namespace must not vanish."""
+        """Import other nodes' manifests. Our own is imported only at the first mount of a
+        new NVME directory (the node lost its disk, or moved): its published namespace must
+        not vanish. An NVME directory with a log never imports its own manifest: its log is
+        newer than anything it published."""
         n = 0
         for node, m in sorted(found.items()):
             if node == self.node:
-                if at_mount and m.seq > self.own_seq_floor:
-                    log.info("NVMe state is behind this node's manifest %016x: importing it",
-                             m.seq)
+                if at_mount and self.fresh_nvme:
+                    log.info("new NVME directory for node %s: importing its published "
+                             "namespace (manifest %016x)", node, m.seq)
                     n += self.apply(node, m)
                 self.seen[node] = m.seq
                 continue

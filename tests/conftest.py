@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
-
 from mounting import (
     LIVE_DAEMONS,
     STOP_TIMEOUT,
@@ -21,7 +20,9 @@ from mounting import (
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     # Keep each phase's report on the item so fixture teardown can tell whether the test failed.
     rep = yield
     setattr(item, "rep_" + rep.when, rep)

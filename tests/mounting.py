@@ -14,8 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -116,6 +118,7 @@ def fusermount(mnt: str | os.PathLike[str], *flags: str) -> subprocess.Completed
         capture_output=True,
         text=True,
         timeout=STOP_TIMEOUT,
+        check=False,
     )
 
 
@@ -335,14 +338,34 @@ class Mount:
             problems.append(f"leftover fuse mount at {leftover}")
         return problems
 
-    def __enter__(self) -> Mount:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.teardown()
-
 
 MakeMount = Callable[..., Mount]
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("ckptfs")
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str
+    err: str
+
+    def __str__(self) -> str:
+        return f"exit {self.rc}\n--- stdout ---\n{self.out}--- stderr ---\n{self.err}"
+
+
+def run_cli(*args: str | os.PathLike[str], console: bool = False, timeout: float = 60
+            ) -> Result:
+    """Run the CLI to completion. Output goes to files, not pipes, so a daemon that keeps our
+    stdout/stderr open cannot hang this call (test_daemonized_mount_... checks that apart)."""
+    cmd = ([str(CONSOLE_SCRIPT), *(os.fspath(a) for a in args)] if console
+           else ckptfs_cmd(*args))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                            timeout=timeout, check=False).returncode
+        out.seek(0)
+        err.seek(0)
+        return Result(rc, out.read().decode(errors="replace"), err.read().decode(errors="replace"))
 
 
 def check_errno(exc: OSError, *allowed: int) -> None:

@@ -1,0 +1,270 @@
+"""CLI error cases: each user mistake gets one `ckptfs: error: ...` line on stderr and a non-zero
+exit, never a traceback; argparse usage errors exit 2. Also the daemonizing `ckptfs mount` /
+`ckptfs umount` pair, whose contract is about when they return."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mounting import (
+    FSTYPE,
+    MakeMount,
+    Mount,
+    Result,
+    ckptfs_cmd,
+    fuse_mounts_under,
+    fusermount,
+    is_mounted,
+    lazy_unmount_all_under,
+    listdir_errno,
+    mount_entry,
+    pid_alive,
+    pids_with_arg,
+    run_cli,
+    wait_for,
+)
+
+
+def assert_error_line(res: Result, *words: str) -> str:
+    """Non-zero exit, exactly one stderr line `ckptfs: error: ...`, no traceback anywhere."""
+    assert "Traceback" not in res.out + res.err, str(res)
+    assert res.rc not in (0, 2), f"expected a runtime error exit (1), got: {res}"
+    lines = res.err.strip().splitlines()
+    assert len(lines) == 1, f"expected one error line: {res}"
+    line = lines[0]
+    assert line.startswith("ckptfs: error: "), str(res)
+    low = line.lower()
+    for alternatives in words:
+        assert any(w in low for w in alternatives.split("|")), (
+            f"error line should mention {alternatives!r}: {line}")
+    return line
+
+
+@pytest.fixture
+def cli_cleanup(tmp_path: Path) -> Iterator[Path]:
+    """For tests that daemonize: afterwards unmount whatever is under tmp_path and kill any
+    process whose command line names tmp_path (daemons this test started). Fails the test if
+    something had been left behind."""
+    yield tmp_path
+    leftovers = []
+    for mnt in sorted(fuse_mounts_under(tmp_path), key=len, reverse=True):
+        leftovers.append(f"mount {mnt}")
+        fusermount(mnt, "-u")
+    pids = [p for p in pids_with_arg(str(tmp_path)) if pid_alive(p)]
+    for pid in pids:
+        leftovers.append(f"process {pid}")
+        os.kill(pid, signal.SIGKILL)
+    lazy_unmount_all_under(tmp_path)
+    assert not leftovers, f"left behind: {leftovers}"
+
+
+def dirs(root: Path, *names: str) -> list[Path]:
+    out = []
+    for n in names:
+        (root / n).mkdir(parents=True, exist_ok=True)
+        out.append(root / n)
+    return out
+
+
+def no_daemon_for(path: Path) -> bool:
+    return not [p for p in pids_with_arg(str(path)) if pid_alive(p)]
+
+
+# -- mount -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["nvme", "shared", "mnt"])
+@pytest.mark.parametrize("foreground", [False, True], ids=["daemon", "foreground"])
+def test_mount_with_a_missing_directory(cli_cleanup: Path, missing: str, foreground: bool
+                                        ) -> None:
+    root = cli_cleanup
+    paths = {n: root / n for n in ("nvme", "shared", "mnt")}
+    dirs(root, *(n for n in paths if n != missing))
+    res = run_cli("mount", paths["nvme"], paths["shared"], paths["mnt"],
+                  *(["--foreground"] if foreground else []), timeout=60)
+    line = assert_error_line(res)
+    assert str(paths[missing]) in line or missing in line.lower(), (
+        f"the error should name the missing {missing} directory: {line}")
+    assert fuse_mounts_under(root) == []
+    wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
+
+
+def test_mount_onto_a_live_mount(make_mount: MakeMount, tmp_path: Path) -> None:
+    m = make_mount()
+    (m.mnt / "keep").write_bytes(b"still here")
+    nvme2, shared2 = dirs(tmp_path, "nvme2", "shared2")
+    res = run_cli("mount", nvme2, shared2, m.mnt)
+    assert_error_line(res, "mount")
+    assert wait_for(lambda: no_daemon_for(nvme2), 10, "refused daemon to exit")
+    # The live mount is untouched and there is only one mount at that point.
+    assert (m.mnt / "keep").read_bytes() == b"still here"
+    assert [r for r in fuse_mounts_under(tmp_path) if r == str(m.mnt)] == [str(m.mnt)]
+    assert m.alive
+
+
+@pytest.mark.parametrize("foreground", [False, True], ids=["daemon", "foreground"])
+def test_second_daemon_on_the_same_nvme_is_refused(make_mount: MakeMount, tmp_path: Path,
+                                                   foreground: bool) -> None:
+    m = make_mount()
+    (m.mnt / "keep").write_bytes(b"still here")
+    (mnt2,) = dirs(tmp_path, "mnt2")
+    res = run_cli("mount", m.nvme, m.shared, mnt2, *(["--foreground"] if foreground else []))
+    assert_error_line(res, "lock|in use|busy|already")
+    assert not is_mounted(mnt2, None)
+    wait_for(lambda: no_daemon_for(mnt2), 10, "refused daemon to exit")
+    assert (m.mnt / "keep").read_bytes() == b"still here"
+    (m.mnt / "more").write_bytes(b"x")
+    m.remount()
+    assert (m.mnt / "more").read_bytes() == b"x"
+
+
+def test_stale_mount_is_cleaned_up_and_remounted(make_mount: MakeMount, cli_cleanup: Path
+                                                 ) -> None:
+    m = make_mount()
+    with open(m.mnt / "before-crash", "wb") as f:
+        f.write(b"acknowledged")
+        os.fsync(f.fileno())
+    m.kill()
+    assert is_mounted(m.mnt) and listdir_errno(m.mnt) == errno.ENOTCONN
+    res = run_cli("mount", m.nvme, m.shared, m.mnt)
+    assert res.rc == 0, str(res)
+    assert "Traceback" not in res.out + res.err
+    assert is_mounted(m.mnt) and listdir_errno(m.mnt) == 0
+    assert (m.mnt / "before-crash").read_bytes() == b"acknowledged"
+    res = run_cli("umount", m.mnt)
+    assert res.rc == 0, str(res)
+    assert not is_mounted(m.mnt, None)
+    assert no_daemon_for(m.mnt), "ckptfs umount returned before the daemon exited"
+
+
+@pytest.mark.parametrize("drain", [True, False], ids=["drain", "no-drain"])
+def test_daemonized_mount_returns_when_usable_and_umount_waits(cli_cleanup: Path, drain: bool
+                                                               ) -> None:
+    nvme, shared, mnt = dirs(cli_cleanup, "nvme", "shared", "mnt")
+    # Pipes on purpose: a daemon that kept the parent's stdout/stderr would hang this call.
+    try:
+        res = subprocess.run(ckptfs_cmd("mount", nvme, shared, mnt), stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("`ckptfs mount` did not return in 60 s, or its daemon kept stdout/stderr "
+                    "open (a pipe reader waits for every writer to close)")
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    # Usable at the moment it returned: no waiting here.
+    row = mount_entry(mnt)
+    assert row is not None and row[2] == FSTYPE and row[0] == "ckptfs", row
+    assert listdir_errno(mnt) == 0
+    (mnt / "f").write_bytes(b"data")
+    res2 = run_cli("umount", mnt, *([] if drain else ["--no-drain"]), timeout=30)
+    assert res2.rc == 0, str(res2)
+    assert not is_mounted(mnt, None)
+    assert no_daemon_for(nvme), "ckptfs umount returned before the daemon exited"
+    # And the data is there on the next mount.
+    res3 = run_cli("mount", nvme, shared, mnt)
+    assert res3.rc == 0, str(res3)
+    assert (mnt / "f").read_bytes() == b"data"
+    res4 = run_cli("umount", mnt, *([] if drain else ["--no-drain"]), timeout=30)
+    assert res4.rc == 0, str(res4)
+    assert not is_mounted(mnt, None)
+
+
+def test_mount_with_a_long_nvme_path(cli_cleanup: Path) -> None:
+    # Real NVME paths can be long (and pytest's are); AF_UNIX socket paths cannot exceed 107
+    # bytes, so nothing the daemon binds may be placed naively under NVME.
+    deep = cli_cleanup / ("n" * 60) / ("v" * 60) / "nvme"
+    nvme, shared, mnt = dirs(cli_cleanup, str(deep.relative_to(cli_cleanup)), "shared", "mnt")
+    assert len(str(nvme)) > 160
+    res = run_cli("mount", nvme, shared, mnt)
+    assert "Traceback" not in res.out + res.err, str(res)
+    assert res.rc == 0, str(res)
+    assert listdir_errno(mnt) == 0
+    assert run_cli("umount", mnt).rc == 0
+
+
+# -- umount ------------------------------------------------------------------------------------
+
+
+def test_umount_of_a_plain_directory(tmp_path: Path) -> None:
+    (d,) = dirs(tmp_path, "plain")
+    assert_error_line(run_cli("umount", d), "mount")
+
+
+def test_umount_of_a_missing_path(tmp_path: Path) -> None:
+    assert_error_line(run_cli("umount", tmp_path / "nope"))
+
+
+def test_umount_of_a_foreign_mount_leaves_it_alone(tmp_path: Path) -> None:
+    (d,) = dirs(tmp_path, "tmpfs")
+    if subprocess.run(["mount", "-t", "tmpfs", "none", str(d)], capture_output=True,
+                      check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (d / "x").write_bytes(b"x")
+        assert_error_line(run_cli("umount", d), "ckptfs")
+        assert is_mounted(d, "tmpfs"), "ckptfs umount unmounted a tmpfs"
+        assert (d / "x").read_bytes() == b"x"
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+# -- replay ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("json_flag", [False, True], ids=["text", "json"])
+def test_replay_on_an_nvme_locked_by_a_live_daemon(mount: Mount, json_flag: bool) -> None:
+    (mount.mnt / "f").write_bytes(b"live")
+    res = run_cli("replay", mount.nvme, *(["--json"] if json_flag else []))
+    assert_error_line(res, "lock|in use|busy|running")
+    assert (mount.mnt / "f").read_bytes() == b"live"
+    mount.remount()
+    assert (mount.mnt / "f").read_bytes() == b"live"
+
+
+def test_replay_of_a_missing_nvme(tmp_path: Path) -> None:
+    assert_error_line(run_cli("replay", tmp_path / "nope"))
+
+
+# -- usage errors ------------------------------------------------------------------------------
+
+USAGE_ERROR = re.compile(r"^ckptfs(?: [a-z-]+)?: error: ")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["frobnicate"],
+        ["mount"],
+        ["mount", "a", "b"],
+        ["mount", "a", "b", "c", "--bogus"],
+        ["mount", "a", "b", "c", "--segment-size", "banana"],
+        ["mount", "a", "b", "c", "--seal-idle", "soon"],
+        ["umount"],
+        ["umount", "a", "b"],
+        ["replay"],
+        ["replay", "a", "--bogus"],
+    ],
+    ids=lambda a: " ".join(a) or "no-args",
+)
+@pytest.mark.parametrize("console", [False, True], ids=["python-m", "console-script"])
+def test_usage_errors_exit_2(args: list[str], console: bool) -> None:
+    res = run_cli(*args, console=console)
+    assert "Traceback" not in res.out + res.err, str(res)
+    assert res.rc == 2, str(res)
+    lines = res.err.strip().splitlines()
+    assert lines and USAGE_ERROR.match(lines[-1]), (
+        f"last stderr line should be `ckptfs ...: error: ...` (also under python -m): {res}")
+
+
+def test_help_exits_0() -> None:
+    for argv in (["--help"], ["mount", "--help"], ["umount", "--help"], ["replay", "--help"]):
+        res = run_cli(*argv)
+        assert res.rc == 0, str(res)
+        assert "usage: ckptfs" in res.out, str(res)

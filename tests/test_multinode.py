@@ -1,0 +1,302 @@
+"""Several nodes on one SHARED: two live mounts read each other's published files, a shared
+directory shows the union, a conflicting path resolves to one whole version by the documented
+rule (ckptfs/remote.py: newest mtime wins, ties to the larger node id), deletes and renames
+propagate, an open file is not swapped under its reader (and is updated once closed), and a
+fresh node, or the same node after losing its NVMe, sees everything that was published."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+from mounting import MakeMount, Mount, wait_for
+from test_shared_support import (
+    REFRESH,
+    assert_files,
+    assert_fsck_clean,
+    assert_tree,
+    blob,
+    cli,
+    export_files,
+    ls_json,
+    manifests,
+    objects,
+    start_node,
+    status,
+    wait_published,
+    walk_mount,
+    write_tree,
+)
+
+import ckptfs
+
+# A change published on one node is seen by the other within a few refresh intervals.
+SEEN_WITHIN = 10 * REFRESH + 5
+
+
+def two_nodes(make_mount: MakeMount) -> tuple[Mount, Mount]:
+    a = start_node(make_mount, "a", "n0")
+    b = start_node(make_mount, "b", "n1", shared=a.shared)
+    return a, b
+
+
+def readable_everywhere(m: Mount, expected: dict[str, bytes]) -> bool:
+    """True once every expected file reads back exactly through m."""
+    for rel, data in expected.items():
+        try:
+            got = (m.mnt / rel).read_bytes()
+        except FileNotFoundError:
+            return False
+        if got != data:
+            return False
+    return True
+
+
+def test_two_mounts_read_each_others_files(make_mount: MakeMount) -> None:
+    a, b = two_nodes(make_mount)
+    mine_a = {f"from_a/f{i}.bin": blob(f"a{i}", 1000 + 70_000 * i) for i in range(6)}
+    mine_a["from_a/big.bin"] = blob("abig", 6 << 20)  # spans two objects
+    mine_b = {f"from_b/sub/g{i}.bin": blob(f"b{i}", 333 * i + 1) for i in range(20)}
+    write_tree(a.mnt, mine_a)
+    write_tree(b.mnt, mine_b)
+    wait_published(a.mnt / "from_a")
+    ckptfs.wait(b.mnt / "from_b", timeout=60)  # the Python API, as training code calls it
+    assert ckptfs.status(b.mnt)["bytes_pending_upload"] == 0
+
+    # B finds A's files on its own within the documented refresh interval...
+    wait_for(lambda: readable_everywhere(b, mine_a), SEEN_WITHIN,
+             "n1 to see n0's published files via the periodic refresh")
+    # ...and A at once after `status --refresh`.
+    st = status(a, refresh=True)
+    assert st["remote"]["nodes_seen"].get("n1") is not None, st["remote"]
+    assert_files(mine_b, a.mnt, "n0's view of n1's files")
+    assert_files(mine_a, b.mnt, "n1's view of n0's files")
+    for m in (a, b):
+        assert walk_mount(m.mnt) == set(mine_a) | set(mine_b), walk_mount(m.mnt)
+    assert st["last_error"] is None
+
+    # Both write their own names into one directory: both see the union.
+    step_a = {f"step_1/__0_{i}.distcp": blob(f"sa{i}", 50_000 + i) for i in range(5)}
+    step_b = {f"step_1/__1_{i}.distcp": blob(f"sb{i}", 40_000 + i) for i in range(5)}
+    write_tree(a.mnt, step_a)
+    write_tree(b.mnt, step_b)
+    wait_published(a.mnt / "step_1")
+    wait_published(b.mnt / "step_1")
+    for m in (a, b):
+        status(m, refresh=True)
+    union = {**step_a, **step_b}
+    for m in (a, b):
+        assert sorted(os.listdir(m.mnt / "step_1")) == sorted(p.split("/")[1] for p in union), \
+            f"{m.root.name} lists {sorted(os.listdir(m.mnt / 'step_1'))}"
+        assert_files(union, m.mnt, f"{m.root.name}'s view of step_1")
+    assert len(ls_json(a.shared, "step_1")) == len(union) + 1  # the directory itself
+
+    # Reads of the other node's data come from its objects on SHARED.
+    assert status(a)["shared_bytes_read"] > 0 and status(b)["shared_bytes_read"] > 0
+    assert_fsck_clean(a.shared)
+
+
+def test_conflicting_writes_resolve_to_one_whole_version(make_mount: MakeMount,
+                                                          tmp_path: Path) -> None:
+    a, b = two_nodes(make_mount)
+    t = time.time_ns() - 3600 * 10**9
+    versions = {
+        # path: (n0's bytes, n0's mtime, n1's bytes, n1's mtime, the winner by the rule)
+        "c/newer_on_n0.bin": (blob("x0", 700_000), t + 10**9, blob("x1", 500_000), t, "n0"),
+        "c/newer_on_n1.bin": (blob("y0", 300_000), t, blob("y1", 450_000), t + 5, "n1"),
+        "c/tie.bin": (blob("z0", 200_000), t, blob("z1", 210_000), t, "n1"),
+        "c/same_size_tie.bin": (blob("w0", 65_536), t, blob("w1", 65_536), t, "n1"),
+    }
+    for path, (da, ma, db, mb, _w) in versions.items():
+        for m, data, mtime in ((a, da, ma), (b, db, mb)):
+            p = m.mnt / path
+            p.parent.mkdir(exist_ok=True)
+            p.write_bytes(data)
+            os.utime(p, ns=(mtime, mtime))
+            assert os.stat(p).st_mtime_ns == mtime
+    wait_published(a.mnt / "c")
+    wait_published(b.mnt / "c")
+    # Two rounds: each node imports the other's newest manifest; nothing may flip back.
+    for _ in range(2):
+        for m in (a, b):
+            status(m, refresh=True)
+
+    out = export_files(a.shared, "c", tmp_path / "export")
+    listed = {e["path"]: e for e in ls_json(a.shared, "c")}
+    problems = []
+    for path, (da, ma, db, mb, winner) in versions.items():
+        want, want_mtime = (da, ma) if winner == "n0" else (db, mb)
+        seen = {"n0 mount": (a.mnt / path).read_bytes(), "n1 mount": (b.mnt / path).read_bytes(),
+                "export": out.get(path.split("/", 1)[1], b"")}
+        for where, got in seen.items():
+            if got != want:
+                which = {da: "n0's version", db: "n1's version"}.get(
+                    got, f"neither version (mixed or other: {len(got)} bytes, sha "
+                         f"{hashlib.sha256(got).hexdigest()[:12]})")
+                problems.append(f"{path}: {where} has {which}, the rule says {winner}'s")
+        for m in (a, b):
+            st = os.stat(m.mnt / path)
+            if (st.st_size, st.st_mtime_ns) != (len(want), want_mtime):
+                problems.append(f"{path}: {m.root.name} stat says size {st.st_size} mtime "
+                                f"{st.st_mtime_ns}, winner has {len(want)} / {want_mtime}")
+        if listed[path]["node"] != winner:
+            problems.append(f"{path}: ls says node {listed[path]['node']}, rule says {winner}")
+    assert not problems, "\n".join(problems) + "\n--- n0 ---\n" + a.log_tail() \
+        + "\n--- n1 ---\n" + b.log_tail()
+
+
+def test_conflict_is_resolved_after_a_later_rewrite(make_mount: MakeMount) -> None:
+    """A newer local write beats an older imported version, and the other node then takes it."""
+    a, b = two_nodes(make_mount)
+    write_tree(a.mnt, {"d/f.bin": blob("first", 100_000)})
+    wait_published(a.mnt / "d")
+    status(b, refresh=True)
+    assert (b.mnt / "d/f.bin").read_bytes() == blob("first", 100_000)
+    # n1 rewrites the imported file: its version is newer, so it wins everywhere.
+    time.sleep(0.01)  # a distinct mtime_ns even on a coarse clock
+    (b.mnt / "d/f.bin").write_bytes(blob("second", 80_000))
+    wait_published(b.mnt / "d")
+    status(a, refresh=True)
+    assert (a.mnt / "d/f.bin").read_bytes() == blob("second", 80_000)
+    assert (b.mnt / "d/f.bin").read_bytes() == blob("second", 80_000)
+    assert [e["node"] for e in ls_json(a.shared, "d/f.bin")] == ["n1"]
+
+
+# -- fresh nodes ---------------------------------------------------------------------------------
+
+
+def published_by_n0(make_mount: MakeMount) -> tuple[Mount, dict[str, bytes]]:
+    a = start_node(make_mount, "a", "n0")
+    expected = {f"step_{s}/__{r}_0.distcp": blob(f"{s}.{r}", 100_000 * r + 17)
+                for s in (1, 2) for r in range(4)}
+    expected["step_2/model.safetensors"] = blob("model", 9 << 20)
+    expected["notes/readme.txt"] = b"hello\n"
+    write_tree(a.mnt, expected)
+    os.symlink("step_2", a.mnt / "latest")
+    wait_published(a.mnt)
+    a.unmount()
+    return a, expected
+
+
+def test_fresh_node_with_empty_nvme_reads_everything(make_mount: MakeMount) -> None:
+    a, expected = published_by_n0(make_mount)
+    c = start_node(make_mount, "c", "n2", shared=a.shared)
+    assert_tree(expected, c.mnt, "a fresh node n2")
+    assert os.readlink(c.mnt / "latest") == "step_2"
+    assert (c.mnt / "latest/model.safetensors").read_bytes() == expected["step_2/model.safetensors"]
+    assert status(c)["shared_bytes_read"] > 0
+
+
+def test_same_node_with_lost_nvme_keeps_old_files_and_objects(make_mount: MakeMount,
+                                                              tmp_path: Path) -> None:
+    a, expected = published_by_n0(make_mount)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(a.shared, "n0")}
+    old_manifests = [p.name for p in manifests(a.shared, "n0")]
+
+    # n0 again, on an empty NVME: its published files are all there...
+    d = start_node(make_mount, "d", "n0", shared=a.shared)
+    assert_files(expected, d.mnt, "n0 remounted with an empty NVME")
+    # ...and what it writes now neither overwrites old objects nor hides old files.
+    new = {f"step_3/__{r}_0.distcp": blob(f"3.{r}", 2_000_000 + r) for r in range(4)}
+    new["step_1/__0_0.distcp"] = blob("rewritten", 12345)  # an old path, new content
+    write_tree(d.mnt, new)
+    os.unlink(d.mnt / "notes/readme.txt")  # an old file deleted after the loss
+    del expected["notes/readme.txt"]
+    wait_published(d.mnt)
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(a.shared, "n0")}
+    clobbered = [n for n, h in before.items() if after.get(n) != h]
+    assert not clobbered, f"old objects changed or vanished: {clobbered}"
+    assert len(after) > len(before), "the new writes published no new objects"
+    new_manifests = [p.name for p in manifests(a.shared, "n0")]
+    assert max(new_manifests) > max(old_manifests), (old_manifests, new_manifests)
+
+    want = {**expected, **new}
+    status(d, refresh=True)
+    assert_files(want, d.mnt, "n0 after new writes")
+    got = export_files(a.shared, "step_1", tmp_path / "s1")
+    assert got == {k.split("/", 1)[1]: v for k, v in want.items() if k.startswith("step_1/")}
+    listed = {e["path"] for e in ls_json(a.shared) if e["type"] == "f"}
+    assert listed == set(want), (f"no longer published: {sorted(set(want) - listed)}, "
+                                 f"should be gone: {sorted(listed - set(want))}")
+    assert_fsck_clean(a.shared)
+
+    # a third node sees the old and the new files together
+    d.unmount()
+    e = start_node(make_mount, "e", "n9", shared=a.shared)
+    assert_files(want, e.mnt, "a fresh node after n0 lost its NVMe and wrote again")
+    assert not (e.mnt / "notes/readme.txt").exists()
+    assert cli("fsck", a.shared, "--deep").returncode == 0
+
+
+def test_deletes_and_renames_propagate(make_mount: MakeMount, tmp_path: Path) -> None:
+    a, b = two_nodes(make_mount)
+    write_tree(a.mnt, {"gone.bin": b"to be deleted", "tmp-checkpoint-1/f.bin": blob("r", 70_000),
+                       "keep.bin": b"stays"})
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    assert walk_mount(b.mnt) == {"gone.bin", "tmp-checkpoint-1/f.bin", "keep.bin"}
+    os.unlink(a.mnt / "gone.bin")
+    os.rename(a.mnt / "tmp-checkpoint-1", a.mnt / "checkpoint-1")  # HF Trainer's pattern
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    assert walk_mount(b.mnt) == {"checkpoint-1/f.bin", "keep.bin"}, walk_mount(b.mnt)
+    assert (b.mnt / "checkpoint-1/f.bin").read_bytes() == blob("r", 70_000)
+    listed = {e["path"] for e in ls_json(a.shared) if e["type"] == "f"}
+    assert listed == {"checkpoint-1/f.bin", "keep.bin"}, listed
+
+
+def test_open_file_is_not_swapped_under_its_reader(make_mount: MakeMount) -> None:
+    a, b = two_nodes(make_mount)
+    v1, v2 = blob("v1", 1 << 20), blob("v2", 1 << 20)
+    write_tree(a.mnt, {"f.bin": v1})
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    with open(b.mnt / "f.bin", "rb") as f:
+        assert f.read(1000) == v1[:1000]
+        time.sleep(0.01)
+        (a.mnt / "f.bin").write_bytes(v2)
+        wait_published(a.mnt)
+        status(b, refresh=True)
+        rest = f.read()
+        assert v1[1000:] == rest, "an open file's content changed under its reader " + (
+            "to the new version" if rest == v2[1000:] else "to mixed bytes")
+    # closed: "it is looked at again on the next refresh" (ckptfs/remote.py)
+    status(b, refresh=True)
+    try:
+        wait_for(lambda: (b.mnt / "f.bin").read_bytes() == v2, SEEN_WITHIN,
+                 "n1 to take n0's new version once the file is closed")
+    except TimeoutError as e:
+        got = (b.mnt / "f.bin").read_bytes()
+        which = "the old version" if got == v1 else "neither version"
+        raise AssertionError(f"{e}: n1 still reads {which}; n1 status remote: "
+                             f"{status(b)['remote']}\n{b.log_tail(10)}") from None
+
+
+def test_file_against_directory_conflict_agrees_everywhere(make_mount: MakeMount,
+                                                           tmp_path: Path) -> None:
+    """n0 publishes ck/x as a file, n1 as a directory: whichever wins, both mounts, `ls` and
+    `export` must show the same tree (the documented rule covers whole files only)."""
+    a, b = two_nodes(make_mount)
+    (a.mnt / "ck").mkdir()
+    (a.mnt / "ck/x").write_bytes(b"a file on n0")
+    (a.mnt / "ck/other_a").write_bytes(b"a")
+    time.sleep(0.01)
+    (b.mnt / "ck").mkdir()
+    (b.mnt / "ck/x").mkdir()
+    (b.mnt / "ck/x/y").write_bytes(b"a file in a directory on n1")
+    (b.mnt / "ck/other_b").write_bytes(b"b")
+    wait_published(a.mnt)
+    wait_published(b.mnt)
+    for _ in range(2):
+        for m in (a, b):
+            status(m, refresh=True)
+    views = {
+        "n0 mount": walk_mount(a.mnt / "ck"),
+        "n1 mount": walk_mount(b.mnt / "ck"),
+        "ls": {e["path"][3:] for e in ls_json(a.shared, "ck") if e["type"] == "f"},
+        "export": set(export_files(a.shared, "ck", tmp_path / "out")),
+    }
+    assert len({frozenset(v) for v in views.values()}) == 1, f"views disagree: {views}"
+    assert {"other_a", "other_b"} <= views["export"]

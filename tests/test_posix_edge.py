@@ -1,0 +1,631 @@
+"""Targeted POSIX edge cases through a real mount, and the file patterns checkpoint writers use
+(torch.save's zip, torch.distributed.checkpoint's metadata rename, HF Trainer's dir rename)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import hashlib
+import json
+import mmap
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from mounting import MakeMount, Mount, check_errno
+
+# -- names and paths ---------------------------------------------------------------------------
+
+
+def test_name_of_255_bytes_works_and_256_is_enametoolong(mount: Mount) -> None:
+    d = mount.mnt
+    ok = "n" * 255
+    ok_utf8 = "é" * 127 + "x"  # 255 bytes in UTF-8
+    assert len(ok_utf8.encode()) == 255
+    for name in (ok, ok_utf8):
+        (d / name).write_bytes(name.encode())
+        assert (d / name).read_bytes() == name.encode()
+        os.mkdir(d / (name[:-1] + "D"))
+        os.symlink(name, d / (name[:-1] + "L"))
+        assert os.readlink(d / (name[:-1] + "L")) == name
+    os.rename(d / ok, d / ("m" * 255))
+    assert sorted(os.listdir(d)) == sorted(
+        ["m" * 255, ok_utf8, ok[:-1] + "D", ok[:-1] + "L", ok_utf8[:-1] + "D", ok_utf8[:-1] + "L"]
+    )
+
+    long_names = ["n" * 256, "é" * 128]
+    for bad in long_names:
+        assert len(bad.encode()) == 256
+        p = d / bad
+        calls = {
+            "create": lambda p=p: os.open(p, os.O_CREAT | os.O_WRONLY, 0o644),
+            "mkdir": lambda p=p: os.mkdir(p),
+            "symlink": lambda p=p: os.symlink("x", p),
+            "rename": lambda p=p: os.rename(d / ("m" * 255), p),
+            "stat": lambda p=p: os.stat(p),
+        }
+        for what, call in calls.items():
+            with pytest.raises(OSError) as exc:
+                call()
+            assert exc.value.errno == errno.ENAMETOOLONG, (what, exc.value)
+    assert os.statvfs(d).f_namemax == 255
+
+    mount.remount()
+    assert (d / ("m" * 255)).read_bytes() == ok.encode()
+    assert (d / ok_utf8).read_bytes() == ok_utf8.encode()
+    assert os.readlink(d / (ok_utf8[:-1] + "L")) == ok_utf8
+
+
+def test_long_symlink_target_round_trips(mount: Mount) -> None:
+    target = "/".join(["t" * 200] * 20)  # 4019 bytes
+    os.symlink(target, mount.mnt / "long")
+    assert os.readlink(mount.mnt / "long") == target
+    assert os.lstat(mount.mnt / "long").st_size == len(target)
+    mount.remount()
+    assert os.readlink(mount.mnt / "long") == target
+
+
+@pytest.mark.timeout(120)
+def test_deep_nesting_beyond_path_max(mount: Mount) -> None:
+    """A tree whose full paths exceed PATH_MAX (4096) several times over, built and read back
+    with dir_fd-relative calls and with chdir."""
+    levels = 60
+    name = "d" * 200  # 60 * 201 bytes: a 12 KiB path
+    payload = b"at the bottom\n" * 100
+
+    def descend(root: Path, depth: int) -> int:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(depth):
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return fd
+
+    fd = os.open(mount.mnt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir(name, dir_fd=fd)
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        f = os.open("bottom", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd)
+        os.write(f, payload)
+        os.close(f)
+    finally:
+        os.close(fd)
+
+    full = os.path.join(mount.mnt, *([name] * levels), "bottom")
+    assert len(full) > 2 * 4096
+    with pytest.raises(OSError) as exc:
+        os.stat(full)
+    check_errno(exc.value, errno.ENAMETOOLONG)
+
+    # chdir level by level (each step is a short relative path), then a relative open.
+    cwd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.chdir(mount.mnt)
+        for _ in range(levels):
+            os.chdir(name)
+        with open("bottom", "rb") as fh:
+            assert fh.read() == payload
+        with open("second", "wb") as fh:
+            fh.write(b"written via chdir")
+    finally:
+        os.fchdir(cwd)  # a cwd inside the mount would keep it busy
+        os.close(cwd)
+
+    mount.remount()
+    fd = descend(mount.mnt, levels)
+    try:
+        assert sorted(os.listdir(fd)) == ["bottom", "second"]
+        f = os.open("bottom", os.O_RDONLY, dir_fd=fd)
+        assert os.read(f, 1 << 20) == payload
+        os.close(f)
+        assert os.stat("second", dir_fd=fd).st_size == len(b"written via chdir")
+    finally:
+        os.close(fd)
+
+    # Tear it down bottom-up, also with dir_fd calls.
+    fds = [os.open(mount.mnt, os.O_RDONLY | os.O_DIRECTORY)]
+    for _ in range(levels):
+        fds.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+    os.unlink("bottom", dir_fd=fds[-1])
+    os.unlink("second", dir_fd=fds[-1])
+    for i in range(levels, 0, -1):
+        os.close(fds[i])
+        os.rmdir(name, dir_fd=fds[i - 1])
+    os.close(fds[0])
+    assert os.listdir(mount.mnt) == []
+
+
+# -- concurrency -------------------------------------------------------------------------------
+
+MKDIR_CHILD = textwrap.dedent(
+    """
+    import errno, json, os, random, sys
+    root, seed = sys.argv[1], int(sys.argv[2])
+    paths = json.loads(sys.stdin.readline())
+    sys.stdin.readline()  # the start signal: all children race from here
+    random.Random(seed).shuffle(paths)
+    errors = []
+    for p in paths:
+        # mkdir -p: every prefix, EEXIST is fine.
+        parts = p.split("/")
+        for i in range(1, len(parts) + 1):
+            try:
+                os.mkdir(os.path.join(root, *parts[:i]), 0o755)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                errors.append([p, "/".join(parts[:i]), errno.errorcode.get(e.errno, e.errno)])
+    print(json.dumps(errors))
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_mkdir_p_same_tree_from_16_processes(mount: Mount) -> None:
+    leaves = [f"a{i}/b{j}/c{k}/d" for i in range(3) for j in range(3) for k in range(3)]
+    expected = set()
+    for leaf in leaves:
+        parts = leaf.split("/")
+        expected |= {"/".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MKDIR_CHILD, str(mount.mnt), str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for seed in range(16)
+    ]
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(leaves) + "\n")
+        p.stdin.flush()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.close()
+    errors = []
+    for p in procs:
+        assert p.stdout is not None
+        out = p.stdout.read()
+        p.stdout.close()
+        assert p.wait(timeout=100) == 0
+        errors += json.loads(out)
+    assert errors == [], f"mkdir errors other than EEXIST: {errors[:10]}"
+
+    def check() -> None:
+        found = set()
+        for dirpath, dirnames, filenames in os.walk(mount.mnt):
+            assert len(dirnames) == len(set(dirnames)), f"duplicate entries in {dirpath}"
+            assert filenames == []
+            rel = os.path.relpath(dirpath, mount.mnt)
+            found |= {os.path.normpath(os.path.join(rel, d)) for d in dirnames}
+            assert os.stat(dirpath).st_nlink == 2 + len(dirnames), dirpath
+        assert found == expected
+
+    check()
+    mount.remount()
+    check()
+
+
+def test_concurrent_writers_to_distinct_files(mount: Mount) -> None:
+    blobs = {f"f{i}": random.Random(i).randbytes(300_000 + i) for i in range(8)}
+
+    def write(name: str) -> None:
+        with open(mount.mnt / name, "wb") as f:
+            data = blobs[name]
+            step = 4096 * 3 + 1  # unaligned writes
+            f.writelines(data[off : off + step] for off in range(0, len(data), step))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, blobs))
+    for name, data in blobs.items():
+        assert (mount.mnt / name).read_bytes() == data
+    mount.remount()
+    for name, data in blobs.items():
+        assert (mount.mnt / name).read_bytes() == data
+
+
+# -- unsupported or optional features: a clean answer either way -------------------------------
+
+
+def test_hard_link_is_refused_cleanly(mount: Mount) -> None:
+    (mount.mnt / "a").write_bytes(b"content")
+    with pytest.raises(OSError) as exc:
+        os.link(mount.mnt / "a", mount.mnt / "b")
+    check_errno(exc.value, errno.EPERM, errno.EOPNOTSUPP)
+    assert os.listdir(mount.mnt) == ["a"]
+    assert os.stat(mount.mnt / "a").st_nlink == 1
+    assert (mount.mnt / "a").read_bytes() == b"content"
+
+
+def test_o_direct_works_with_aligned_buffers_or_is_einval(mount: Mount) -> None:
+    path = mount.mnt / "direct"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o644)
+    except OSError as e:
+        check_errno(e, errno.EINVAL)
+        assert not path.exists() or path.stat().st_size == 0
+        return
+    size = 1 << 20
+    data = random.Random(7).randbytes(size)
+    buf = mmap.mmap(-1, size)  # page aligned
+    buf[:] = data
+    try:
+        assert os.pwrite(fd, buf, 0) == size
+        head = memoryview(buf)[: 8 * 4096]  # a slice of the mmap stays aligned; bytes would not
+        assert os.pwrite(fd, head, 3 * size) == 8 * 4096  # leaves a hole
+        back = mmap.mmap(-1, size)
+        assert os.preadv(fd, [back], 0) == size
+        assert bytes(back) == data
+        assert os.preadv(fd, [back], 2 * size) == size
+        assert bytes(back) == bytes(size)  # the hole reads as zeros
+        os.fsync(fd)
+    finally:
+        head.release()
+        os.close(fd)
+    expected = data + bytes(2 * size) + data[: 8 * 4096]
+    assert path.read_bytes() == expected
+    mount.remount()
+    assert path.read_bytes() == expected
+
+
+def _libc_fallocate():  # type: ignore[no-untyped-def]
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fn = libc.fallocate
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    fn.restype = ctypes.c_int
+
+    def fallocate(fd: int, mode: int, off: int, length: int) -> int:
+        if fn(fd, mode, off, length) == 0:
+            return 0
+        return ctypes.get_errno()
+
+    return fallocate
+
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def test_fallocate_works_or_is_eopnotsupp(mount: Mount) -> None:
+    fallocate = _libc_fallocate()
+    path = mount.mnt / "falloc"
+    head = b"h" * 10_000
+    path.write_bytes(head)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        err = fallocate(fd, 0, 0, 1 << 20)
+        assert err in (0, errno.EOPNOTSUPP), errno.errorcode.get(err, err)
+        if err == 0:
+            assert os.fstat(fd).st_size == 1 << 20
+            assert os.pread(fd, 1 << 20, 0) == head + bytes((1 << 20) - len(head))
+        else:
+            assert os.fstat(fd).st_size == len(head)
+        before = os.pread(fd, 1 << 21, 0)
+        err = fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 4096, 4096)
+        assert err in (0, errno.EOPNOTSUPP), errno.errorcode.get(err, err)
+        after = os.pread(fd, 1 << 21, 0)
+        if err == 0:
+            assert after == before[:4096] + bytes(4096) + before[8192:]
+        else:
+            assert after == before
+        size_now = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    # glibc's posix_fallocate falls back to writing zeros, so it must work either way.
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, 3 << 20)
+        assert os.fstat(fd).st_size == 3 << 20
+    finally:
+        os.close(fd)
+    content = path.read_bytes()
+    assert content[:size_now] == after[:size_now]
+    assert content[size_now:] == bytes((3 << 20) - size_now)
+
+
+def test_mmap_read_equals_content(mount: Mount) -> None:
+    data = random.Random(3).randbytes(3 * 1024 * 1024 + 123)
+    path = mount.mnt / "mapped"
+    path.write_bytes(data)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert len(mm) == len(data)
+        assert mm[:] == data
+        assert mm[len(data) - 5000 :] == data[-5000:]
+    mount.remount()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        assert mm[:] == data  # MAP_PRIVATE
+
+
+# -- metadata ----------------------------------------------------------------------------------
+
+
+def test_statfs_reports_nvme_free_space(mount: Mount) -> None:
+    through = os.statvfs(mount.mnt)
+    nvme = os.statvfs(mount.nvme)
+    assert through.f_bsize > 0 and through.f_frsize > 0
+    free_mount = through.f_bavail * through.f_frsize
+    free_nvme = nvme.f_bavail * nvme.f_frsize
+    # The daemon may hold back a reserve; within 5% (or 1 GiB) of the NVME's own figure.
+    slack = max(free_nvme // 20, 1 << 30)
+    assert abs(free_mount - free_nvme) <= slack, (free_mount, free_nvme)
+    total_mount = through.f_blocks * through.f_frsize
+    assert total_mount >= free_mount > 0
+
+
+def test_chmod_chown_utime_ns_precision(mount: Mount) -> None:
+    p = mount.mnt / "meta"
+    p.write_bytes(b"x")
+    d = mount.mnt / "dir"
+    d.mkdir()
+    os.symlink("meta", mount.mnt / "link")
+    for mode in (0o000, 0o600, 0o644, 0o755, 0o777, 0o4755, 0o2755, 0o1777):
+        os.chmod(p, mode)
+        assert stat.S_IMODE(os.stat(p).st_mode) == mode, oct(mode)
+    os.chmod(d, 0o1777)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o1777
+    os.chown(p, 1000, 1001)
+    st = os.stat(p)
+    assert (st.st_uid, st.st_gid) == (1000, 1001)
+    os.chown(mount.mnt / "link", 1002, 1003, follow_symlinks=False)
+    st = os.lstat(mount.mnt / "link")
+    assert (st.st_uid, st.st_gid) == (1002, 1003)
+    assert (os.stat(p).st_uid, os.stat(p).st_gid) == (1000, 1001)
+
+    times = {
+        p: (1_234_567_890_123_456_789, 1_600_000_000_987_654_321),
+        d: (1_000_000_000_000_000_001, 1_999_999_999_999_999_999),
+    }
+    for path, ns in times.items():
+        os.utime(path, ns=ns)
+    link_ns = (1_500_000_000_000_000_007, 1_500_000_000_000_000_009)
+    os.utime(mount.mnt / "link", ns=link_ns, follow_symlinks=False)
+    before = time.time_ns()
+    (mount.mnt / "touched").write_bytes(b"")
+    os.utime(mount.mnt / "touched")  # now
+
+    def check() -> None:
+        for path, (_, mtime) in times.items():
+            assert os.stat(path).st_mtime_ns == mtime, path
+        assert os.lstat(mount.mnt / "link").st_mtime_ns == link_ns[1]
+        assert os.stat(p).st_mtime_ns == times[p][1]  # the link's utime left its target alone
+        touched = os.stat(mount.mnt / "touched").st_mtime_ns
+        assert before - 2_000_000_000 <= touched <= time.time_ns() + 2_000_000_000
+        st = os.stat(p)
+        assert (st.st_uid, st.st_gid) == (1000, 1001)
+
+    check()
+    mount.remount()
+    check()
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o1777
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o1777
+
+
+def test_mtime_changes_on_write(mount: Mount) -> None:
+    p = mount.mnt / "w"
+    p.write_bytes(b"a")
+    os.utime(p, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    with open(p, "r+b") as f:
+        f.write(b"b")
+    assert os.stat(p).st_mtime_ns > 1_000_000_000_000_000_000
+    os.utime(p, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    os.truncate(p, 0)
+    assert os.stat(p).st_mtime_ns > 1_000_000_000_000_000_000
+
+
+OWNER_CHILD = textwrap.dedent(
+    """
+    import errno, json, os, sys
+    path, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # before dropping privileges: the
+    os.setgroups([])                                    # pytest tmp dirs above are 0700
+    os.setgid(gid)
+    os.setuid(uid)
+    out = {}
+    def attempt(key, fn):
+        try:
+            out[key] = fn()
+        except OSError as e:
+            out[key] = errno.errorcode.get(e.errno, e.errno)
+    def create():
+        fd = os.open(f"file-{uid}", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=dfd)
+        os.write(fd, b"by %d" % uid)
+        os.close(fd)
+        return "ok"
+    attempt("create", create)
+    attempt("mkdir", lambda: os.mkdir(f"dir-{uid}", 0o755, dir_fd=dfd) or "ok")
+    def write_other():
+        fd = os.open("file-1000", os.O_WRONLY | os.O_APPEND, dir_fd=dfd)
+        os.close(fd)
+        return "ok"
+    attempt("write_other", write_other)
+    attempt("unlink_root_file_in_sticky", lambda: os.unlink("rootfile", dir_fd=dfd) or "ok")
+    print(json.dumps(out))
+    """
+)
+
+
+def test_files_get_the_callers_uid_and_gid(make_mount: MakeMount) -> None:
+    m = make_mount(extra_args=["--allow-other"])
+    shared = m.mnt / "open"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # world-writable and sticky, like /tmp
+    (shared / "rootfile").write_bytes(b"root's")
+    st = os.stat(shared / "rootfile")
+    assert (st.st_uid, st.st_gid) == (0, 0)
+
+    def as_user(uid: int, gid: int) -> dict[str, str]:
+        res = subprocess.run(
+            [sys.executable, "-c", OWNER_CHILD, str(shared), str(uid), str(gid)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    out = as_user(1000, 1000)
+    assert out["create"] == "ok" and out["mkdir"] == "ok", out
+    assert out["write_other"] == "ok"  # its own file
+    assert out["unlink_root_file_in_sticky"] == "EPERM", out  # sticky dir, not the owner
+    for name in ("file-1000", "dir-1000"):
+        st = os.stat(shared / name)
+        assert (st.st_uid, st.st_gid) == (1000, 1000), name
+    assert (shared / "file-1000").read_bytes() == b"by 1000"
+
+    out = as_user(1001, 1001)
+    assert out["create"] == "ok", out
+    # default_permissions: the kernel checks modes, so another user cannot write a 0644 file.
+    assert out["write_other"] == "EACCES", out
+    st = os.stat(shared / "file-1001")
+    assert (st.st_uid, st.st_gid) == (1001, 1001)
+
+    m.remount()
+    for uid in (1000, 1001):
+        st = os.stat(shared / f"file-{uid}")
+        assert (st.st_uid, st.st_gid) == (uid, uid)
+
+
+# -- checkpoint writer patterns ----------------------------------------------------------------
+
+
+def _zip_members() -> dict[str, bytes]:
+    rng = random.Random(5)
+    return {
+        "archive/data.pkl": rng.randbytes(777),
+        "archive/byteorder": b"little",
+        "archive/data/0": rng.randbytes(5 * 1024 * 1024 + 3),
+        "archive/data/1": b"",
+        "archive/data/2": rng.randbytes(65_537),
+        "archive/version": b"3\n",
+    }
+
+
+def test_torch_save_pattern_zip_with_seek_back(mount: Mount) -> None:
+    """torch.save writes a stored zip through a seekable file: each member's local header is
+    rewritten after its data (seek back, overwrite CRC and sizes, seek forward)."""
+    members = _zip_members()
+
+    def save(path: Path) -> None:
+        with open(path, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
+            for name, data in members.items():
+                info = zipfile.ZipInfo(name, date_time=(2024, 1, 2, 3, 4, 6))
+                with zf.open(info, "w", force_zip64=len(data) > 4 << 20) as w:
+                    for off in range(0, len(data), 1 << 16):
+                        w.write(data[off : off + (1 << 16)])
+
+    path = mount.mnt / "model.pt"
+    save(path)
+    host_copy = mount.root / "model-host.pt"
+    save(host_copy)
+
+    def check() -> None:
+        assert path.read_bytes() == host_copy.read_bytes()  # byte-identical to a host write
+        with zipfile.ZipFile(path) as zf:
+            assert zf.testzip() is None
+            assert zf.namelist() == list(members)
+            for name, data in members.items():
+                assert zf.read(name) == data
+
+    check()
+    mount.remount()
+    check()
+
+
+def test_dcp_pattern_metadata_tmp_fsync_rename(mount: Mount) -> None:
+    """torch.distributed.checkpoint: shards written in parallel, then `.metadata.tmp` written,
+    fsynced and renamed over `.metadata`."""
+    ckpt = mount.mnt / "step_100"
+    ckpt.mkdir()
+    shards = {f"__{r}_0.distcp": random.Random(r).randbytes(1_500_000 + r) for r in range(4)}
+
+    def write_shard(name: str) -> None:
+        with open(ckpt / name, "wb") as f:
+            f.write(shards[name])
+            f.flush()
+            os.fsync(f.fileno())
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write_shard, shards))
+    for version in (1, 2):
+        meta = json.dumps({"version": version, "shards": sorted(shards)}).encode() * 50
+        tmp = ckpt / ".metadata.tmp"
+        with open(tmp, "wb") as f:
+            f.write(meta)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, ckpt / ".metadata")
+        dfd = os.open(ckpt, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        assert (ckpt / ".metadata").read_bytes() == meta
+        assert not tmp.exists()
+
+    def check() -> None:
+        assert sorted(os.listdir(ckpt)) == sorted([".metadata", *shards])
+        assert (ckpt / ".metadata").read_bytes() == meta
+        for name, data in shards.items():
+            assert (ckpt / name).read_bytes() == data
+
+    check()
+    mount.remount()
+    check()
+
+
+def test_hf_pattern_tmp_checkpoint_dir_rename(mount: Mount) -> None:
+    """HF Trainer: everything written under `tmp-checkpoint-5/`, then the directory renamed to
+    `checkpoint-5/`; an older checkpoint rotated away with rmtree."""
+    out = mount.mnt / "run"
+    out.mkdir()
+    rng = random.Random(9)
+
+    def save(step: int) -> dict[str, bytes]:
+        tmp = out / f"tmp-checkpoint-{step}"
+        tmp.mkdir()
+        files = {
+            "model.safetensors": rng.randbytes(2_000_000),
+            "config.json": json.dumps({"step": step}).encode(),
+            "trainer_state.json": json.dumps({"global_step": step, "log": list(range(50))})
+            .encode(),
+            "rng_state.pth": rng.randbytes(14_000),
+        }
+        for name, data in files.items():
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+        with zipfile.ZipFile(tmp / "optimizer.pt", "w") as zf:
+            zf.writestr("optimizer/data/0", rng.randbytes(300_000))
+        files["optimizer.pt"] = (tmp / "optimizer.pt").read_bytes()
+        os.rename(tmp, out / f"checkpoint-{step}")
+        return files
+
+    saved = {step: save(step) for step in (3, 5)}
+    shutil.rmtree(out / "checkpoint-3")
+    del saved[3]
+
+    def check() -> None:
+        assert os.listdir(out) == ["checkpoint-5"]
+        d = out / "checkpoint-5"
+        assert sorted(os.listdir(d)) == sorted(saved[5])
+        for name, data in saved[5].items():
+            assert (d / name).read_bytes() == data
+        assert os.stat(d).st_nlink == 2
+
+    check()
+    mount.remount()
+    check()
+    digest = hashlib.sha256((out / "checkpoint-5" / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == hashlib.sha256(saved[5]["model.safetensors"]).hexdigest()
