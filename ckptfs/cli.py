@@ -466,7 +466,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
     except ExportError as e:
         raise CliError(str(e)) from None
     for err in view.errors:
-        print(f"ckptfs: warning: {err}", file=sys.stderr)
+        print(f"ckptfs: warning: ignoring {err}", file=sys.stderr)
     if not a.path and not a.files:
         cps = checkpoints(view, tuple(a.retain or DEFAULT_RETAIN),
                           tuple(a.marker or DEFAULT_MARKERS), a.nodes,
@@ -519,8 +519,9 @@ def cmd_export(a: argparse.Namespace) -> int:
     store = _open_store(a.shared)
     try:
         with _progress(f"exporting {a.path}") as update:
-            files, nbytes = export(store, a.path, a.dest,
-                                   progress=lambda d, t: update({"done": d, "total": t}))
+            files, nbytes = export(
+                store, a.path, a.dest, progress=lambda d, t: update({"done": d, "total": t}),
+                warn=lambda msg: print(f"ckptfs: warning: ignoring {msg}", file=sys.stderr))
     except ExportError as e:
         raise CliError(str(e)) from None
     print(f"exported {files} files ({nbytes:,} bytes) to {a.dest}")

@@ -41,6 +41,14 @@ def merged_view(store: SharedStore) -> View:
             cur = entries.get(e.path)
             if cur is None or (e.mtime_ns, node) > (cur[1].mtime_ns, cur[0]):
                 entries[e.path] = (node, e)
+    # a path whose winner is not a directory hides everything below it
+    hidden: set[str] = set()
+    for path in sorted(entries):  # a parent sorts before its children
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        if parent and (parent in hidden or (parent in entries
+                                            and entries[parent][1].type != "d")):
+            hidden.add(path)
+            del entries[path]
     return View(entries, found, errors)
 
 
@@ -76,9 +84,13 @@ def _safe_join(dest: str, rel: str) -> str:
 
 
 def export(store: SharedStore, prefix: str, dest: str,
-           progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+           progress: Callable[[int, int], None] | None = None,
+           warn: Callable[[str], None] | None = None) -> tuple[int, int]:
     """Write the files under `prefix` as plain files into dest; returns (files, bytes)."""
     view = merged_view(store)
+    for err in view.errors:
+        if warn is not None:
+            warn(err)
     items = list(select(view, prefix))
     if not items:
         raise ExportError(f"nothing published under {prefix!r}")
@@ -98,7 +110,7 @@ def export(store: SharedStore, prefix: str, dest: str,
             raise ExportError(f"refusing to write through a symlink: {rel!r}")
         if e.type == "d":
             os.makedirs(target, exist_ok=True)
-            os.chmod(target, e.mode | stat.S_IRWXU)
+            os.chmod(target, (e.mode & 0o777) | stat.S_IRWXU)
             continue
         os.makedirs(parent, exist_ok=True)
         if os.path.lexists(target) and (os.path.islink(target) or not os.path.isfile(target)):
@@ -114,7 +126,7 @@ def export(store: SharedStore, prefix: str, dest: str,
                 if progress is not None:
                     progress(done, total)
             os.ftruncate(fd, e.size)
-            os.fchmod(fd, e.mode)
+            os.fchmod(fd, e.mode & 0o777)  # never setuid/setgid bits from another machine
         finally:
             os.close(fd)
         os.utime(target, ns=(e.mtime_ns, e.mtime_ns))

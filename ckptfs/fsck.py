@@ -35,7 +35,7 @@ class FsckReport:
 def fsck(store: SharedStore, deep: bool = False,
          progress: Callable[[str], None] | None = None) -> FsckReport:
     rep = FsckReport()
-    referenced: dict[str, set[tuple[int, int]]] = {}
+    referenced: dict[str, dict[tuple[int, int], str]] = {}
     sizes: dict[str, int] = {}
     for node in store.nodes():
         rep.nodes += 1
@@ -49,6 +49,9 @@ def fsck(store: SharedStore, deep: bool = False,
         except (OSError, manifest.ManifestError) as e:
             rep.problems.append(str(e))
             continue
+        if m.node != node:
+            rep.problems.append(f"{where}: claims to be from node {m.node!r}")
+            continue
         rep.manifests += 1
         for obj, info in m.objects.items():
             if isinstance(info, dict) and isinstance(info.get("size"), int):
@@ -56,7 +59,8 @@ def fsck(store: SharedStore, deep: bool = False,
         for e in m.files():
             rep.files += 1
             for _off, length, obj, pos, _skip, rec_len in e.extents:
-                referenced.setdefault(obj, set()).add((pos, rec_len))
+                referenced.setdefault(obj, {}).setdefault((pos, rec_len),
+                                                          f"{where}: {e.path}")
     for obj, uses in sorted(referenced.items()):
         node, seg = manifest.split_obj(obj)
         if progress:
@@ -77,11 +81,11 @@ def fsck(store: SharedStore, deep: bool = False,
             rep.problems.append(f"{obj}: {e}")
             continue
         rows = {r[0]: r for r in sealed.rows}
-        for pos, rec_len in sorted(uses):
+        for (pos, rec_len), user in sorted(uses.items()):
             row = rows.get(pos)
             if row is None or row[1] not in fmt.DATA_TYPES or row[2] != rec_len:
-                rep.problems.append(f"{obj}: a manifest extent names no data record of "
-                                    f"length {rec_len} at offset {pos}")
+                rep.problems.append(f"{user}: an extent names no data record of length "
+                                    f"{rec_len} at offset {pos} of object {obj}")
         if deep:
             for row in sealed.rows:
                 try:

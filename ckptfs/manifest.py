@@ -229,6 +229,13 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
                     last_end = off + ln
                     ent.extents.append((off, ln, obj, pos, skip, rec_len))
             entries.append(ent)
+        kinds = {e.path: e.type for e in entries}
+        for e in entries:
+            parent = e.path.rsplit("/", 1)[0] if "/" in e.path else ""
+            if parent in kinds and kinds[parent] != "d":
+                what = "a symlink" if kinds[parent] == "l" else "a file"
+                raise ManifestError(f"{e.path}: its parent {parent!r} is {what}, "
+                                    f"not a directory")
         return Manifest(node, _int(body.get("seq", 0), "seq"),
                         _int(body.get("created_ns", 0), "created_ns"), objects, entries)
     except ManifestError as e:

@@ -21,6 +21,7 @@ from ckptfs.index import VSEG_BIT, Extent
 log = logging.getLogger(__name__)
 
 HDR = fmt.RECORD_HEADER_SIZE
+REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
 
 
 class RemoteSource(Protocol):
@@ -48,6 +49,8 @@ class Reader:
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._verified: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._remote_cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._remote_bytes = 0
         self.max_fds = max_fds
         self.max_verified = max_verified
         self.corrupt_reads = 0
@@ -60,9 +63,12 @@ class Reader:
             self._fds.clear()
 
     def forget(self, seg: int) -> None:
-        """The local file of `seg` is going away (evicted)."""
+        """The local file of `seg` is going away (evicted): from now on its bytes come from
+        the shared store and are verified there."""
         with self._lock:
             self.evicted.add(seg)
+            for key in [k for k in self._verified if k[0] == seg]:
+                del self._verified[key]
             fd = self._fds.pop(seg, None)
             if fd is not None:
                 os.close(fd)
@@ -105,16 +111,31 @@ class Reader:
         return data
 
     def read_extent(self, e: Extent, rel: int, n: int) -> bytes:
-        """n bytes starting `rel` bytes into extent e."""
+        """n bytes starting `rel` bytes into extent e.
+
+        A local record is verified the first time it is read and then served by range from
+        the page cache. A record on the shared store is fetched whole and verified on every
+        fetch (nothing vouches for bytes that come over the network twice); the last few
+        fetched records are kept in memory so neighbouring reads do not fetch them again.
+        """
         key = (e.seg, e.rec_pos)
-        with self._lock:
-            known = key in self._verified
+        start = HDR + e.skip + rel
+        if self.is_local(e):
+            with self._lock:
+                known = key in self._verified
+                if known:
+                    self._verified.move_to_end(key)
             if known:
-                self._verified.move_to_end(key)
-        if known:
-            data = self._pread(e.seg, n, e.rec_pos + HDR + e.skip + rel)
-            if len(data) == n:
-                return data
+                data = self._pread(e.seg, n, e.rec_pos + start)
+                if len(data) == n:
+                    return data
+        else:
+            with self._lock:
+                whole = self._remote_cache.get(key)
+                if whole is not None:
+                    self._remote_cache.move_to_end(key)
+            if whole is not None:
+                return whole[start:start + n]
         whole = self._pread(e.seg, HDR + e.rec_len, e.rec_pos)
         if not fmt.verify_record(whole):
             self.corrupt_reads += 1
@@ -124,10 +145,16 @@ class Reader:
             log.error("checksum mismatch reading %s: returning EIO", where)
             raise CorruptData(where)
         with self._lock:
-            self._verified[key] = None
-            if len(self._verified) > self.max_verified:
-                self._verified.popitem(last=False)
-        start = HDR + e.skip + rel
+            if self.is_local(e):
+                self._verified[key] = None
+                if len(self._verified) > self.max_verified:
+                    self._verified.popitem(last=False)
+            else:
+                self._remote_cache[key] = whole
+                self._remote_bytes += len(whole)
+                while self._remote_bytes > REMOTE_CACHE_BYTES:
+                    _k, old = self._remote_cache.popitem(last=False)
+                    self._remote_bytes -= len(old)
         return whole[start:start + n]
 
     def read(self, extents: list[Extent], off: int, size: int, file_size: int) -> bytes:

@@ -53,9 +53,10 @@ def fetch_manifests(store: SharedStore, seen: dict[str, int],
                                                  f"from node {m.node!r}")
             except (OSError, manifest.ManifestError) as e:
                 msg = str(e)
-                log.error("ignoring manifest: %s", msg)
                 if errors is not None:
-                    errors.append(msg)
+                    errors.append(msg)  # the caller reports it
+                else:
+                    log.error("ignoring manifest: %s", msg)
                 continue
             out[node] = m
             break
@@ -80,6 +81,8 @@ class Refresher:
         self.removed = 0
         self.errors: list[str] = []
         self.invalidate: list[int] = []
+        self.deferred = False
+        self._dir_mtime: dict[str, int] = {}
 
     async def run(self) -> None:
         while True:
@@ -97,6 +100,9 @@ class Refresher:
         except OSError as e:
             log.warning("cannot read manifests from the shared store: %s", e)
             return 0
+        for msg in errors:
+            if msg not in self.errors:
+                log.error("ignoring manifest: %s", msg)
         self.errors = errors[-10:]
         n = self.apply_all(found)
         for ino in self.invalidate:
@@ -123,8 +129,10 @@ class Refresher:
                     n += self.apply(node, m)
                 self.seen[node] = m.seq
                 continue
+            self.deferred = False
             n += self.apply(node, m)
-            self.seen[node] = m.seq
+            if not self.deferred:  # a file skipped because it was open: look again next time
+                self.seen[node] = m.seq
         return n
 
     # --- applying one node's manifest ----------------------------------------------------
@@ -132,6 +140,7 @@ class Refresher:
     def apply(self, node: str, m: manifest.Manifest) -> int:
         changed = 0
         present: set[str] = set()
+        self._dir_mtime = {e.path: e.mtime_ns for e in m.entries if e.type == "d"}
         for e in m.entries:
             present.add(e.path)
             try:
@@ -145,23 +154,36 @@ class Refresher:
         self.imported += changed
         return changed
 
-    def _parent(self, path: str, modes: dict[str, int] | None = None) -> tuple[int, bytes]:
-        """(parent inode, name) for path, creating missing directories."""
+    def _parent(self, path: str, node_id: str = "", mtime_ns: int = 0) -> tuple[int, bytes]:
+        """(parent inode, name) for path, creating missing directories.
+
+        A file standing where the path needs a directory gives way when the remote version
+        wins under the conflict rule (and is not open): the same outcome as the merged view
+        of `ls` and `export`, which drops everything below a path whose winner is a file."""
         parts = [os.fsencode(p) for p in path.split("/")]
         parent = ROOT_INO
         for comp in parts[:-1]:
             child = self.ns.index.lookup(parent, comp)
+            if child is not None:
+                node = self.ns.index.get_inode(child)
+                if node is not None and not node.is_dir:
+                    origin = self.ns.index.origin(child)
+                    mine = (node.mtime_ns, origin["node"] if origin else self.node)
+                    if node_id and winner((mtime_ns, node_id), mine) \
+                            and not self.ns.opens.get(child):
+                        self.ns.unlink(parent, comp, want_dir=False)
+                        child = None
+                    else:
+                        raise FsError(20, f"{path}: a parent is a newer file here")
             if child is None:
                 parent = self.ns.make_node(parent, comp, stat.S_IFDIR | 0o755, 0, 0).ino
                 continue
-            node = self.ns.index.get_inode(child)
-            if node is None or not node.is_dir:
-                raise FsError(20, f"{path}: a parent is not a directory here")
             parent = child
         return parent, parts[-1]
 
     def _apply_entry(self, node: str, e: manifest.Entry) -> int:
-        parent, name = self._parent(e.path)
+        parent, name = self._parent(e.path, node, self._dir_mtime.get(e.path.rsplit("/", 1)[0],
+                                                                      e.mtime_ns))
         idx = self.ns.index
         cur = idx.lookup(parent, name)
         if e.type == "d":
@@ -191,6 +213,7 @@ class Refresher:
             if not winner((e.mtime_ns, node), mine):
                 return 0
         if self.ns.opens.get(cur):
+            self.deferred = True
             return 0  # never swap a file under an open handle; next refresh looks again
         self._import(cur, node, e)
         self.invalidate.append(cur)
