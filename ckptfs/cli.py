@@ -119,10 +119,17 @@ def cmd_mount(a: argparse.Namespace) -> int:
                       retention=RetentionConfig(
                           tuple(a.retain) if a.retain else DEFAULT_RETAIN,
                           tuple(a.marker) if a.marker else DEFAULT_MARKERS,
-                          a.keep_local, a.keep_shared),
+                          a.keep_local, a.keep_shared, bool(a.cold), a.keep_cold),
+                      cold=(a.cold if not a.cold or a.cold.startswith("s3://")
+                            else os.path.abspath(a.cold)) if a.cold else "",
                       gc_grace=a.gc_grace, nodes_required=a.nodes, dedup=not a.no_dedup)
-    if a.keep_local < 0 or a.keep_shared < 0:
-        raise CliError("--keep-local and --keep-shared must not be negative")
+    if a.keep_local < 0 or a.keep_shared < 0 or a.keep_cold < 0:
+        raise CliError("--keep-local, --keep-shared and --keep-cold must not be negative")
+    if a.cold and not a.keep_shared:
+        raise CliError("--cold needs --keep-shared M: checkpoints older than the newest M move "
+                       "to the cold tier")
+    if a.cold and not a.cold.startswith("s3://") and not os.path.isdir(a.cold):
+        raise CliError(f"cold tier directory {a.cold} does not exist")
     if a.node_id:
         cfg.node_id = a.node_id
     if a.foreground:
@@ -185,6 +192,7 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
            "--refresh-interval", str(a.refresh_interval),
            "--keep-local", str(a.keep_local), "--keep-shared", str(a.keep_shared),
            "--gc-grace", str(a.gc_grace), "--nodes", str(a.nodes),
+           "--keep-cold", str(a.keep_cold),
            "--log-level", a.log_level, "--upload-streams", str(a.upload_streams),
            "--upload-limit", str(a.upload_limit), "--metrics-port", str(a.metrics_port)]
     if a.node_id:
@@ -197,6 +205,8 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
         out.append("--allow-other")
     if a.no_dedup:
         out.append("--no-dedup")
+    if a.cold:
+        out += ["--cold", a.cold]
     return out
 
 
@@ -303,6 +313,10 @@ def cmd_replay(a: argparse.Namespace) -> int:
         from ckptfs.shared import open_store
 
         store = open_store(shared)
+        if ident.get("cold"):
+            from ckptfs.coldtier import Tiered
+
+            store = Tiered(store, open_store(ident["cold"]))
     lock = NvmeLock(nvme)
     lock.acquire()
     try:
@@ -478,13 +492,14 @@ def cmd_ls(a: argparse.Namespace) -> int:
         from rich.table import Table
 
         t = Table(title=f"checkpoints on {a.shared}", show_lines=False)
-        for col in ("checkpoint", "files", "size", "nodes", "state"):
+        for col in ("checkpoint", "files", "size", "nodes", "tier", "state"):
             t.add_column(col, justify="right" if col in ("files", "size") else "left")
         for c in cps:
             state = "complete" if c.complete else (
                 "incomplete (no marker)" if not c.marker else
                 f"incomplete ({len(c.nodes)}/{a.nodes} nodes)")
-            t.add_row(c.name, str(c.files), _human(c.bytes), ",".join(c.nodes), state)
+            t.add_row(c.name, str(c.files), _human(c.bytes), ",".join(c.nodes),
+                      "+".join(sorted(c.tiers)) or "-", state)
         Console().print(t)
         others = sum(1 for p in view.entries if "/" not in p and p not in {c.name for c in cps})
         if others:
@@ -663,6 +678,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--keep-shared", type=int, default=0, metavar="M",
                    help="keep the newest M complete checkpoints, delete older ones from the "
                         "namespace and SHARED (default 0: keep all)")
+    m.add_argument("--cold", metavar="URL",
+                   help="cold tier (directory or s3:// URL): checkpoints older than the "
+                        "newest --keep-shared move there instead of being deleted")
+    m.add_argument("--keep-cold", type=int, default=0, metavar="K",
+                   help="keep K checkpoints on the cold tier, delete older ones (default 0: all)")
     m.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="checkpoints are written by N nodes: complete only when all N "
                         "published (used by `wait --all-nodes`)")

@@ -19,6 +19,7 @@ from ckptfs import control, layout
 from ckptfs.errors import CliError
 from ckptfs.fs import Operations
 from ckptfs.cache import CacheConfig, LocalCache
+from ckptfs.coldtier import ColdTier, Tiered
 from ckptfs.drain import Drain
 from ckptfs.gc import Collector
 from ckptfs.retention import Retention, RetentionConfig
@@ -53,6 +54,7 @@ class MountConfig:
     gc_grace: float = 60.0
     nodes_required: int = 0
     dedup: bool = True
+    cold: str = ""  # the cold tier's location (directory or s3:// URL), "" = none
 
 
 class NvmeLock:
@@ -84,7 +86,8 @@ class NvmeLock:
             self.fd = -1
 
 
-def identity(nvme: str, node_id: str | None, first_seg: int, shared: str) -> dict:
+def identity(nvme: str, node_id: str | None, first_seg: int, shared: str,
+             cold: str = "") -> dict:
     """NVME's identity file: which node it belongs to and its first segment id.
 
     Created on first mount. A later mount with another --node-id is refused: its objects on
@@ -97,8 +100,9 @@ def identity(nvme: str, node_id: str | None, first_seg: int, shared: str) -> dic
         if node_id and ident.get("node") != node_id:
             raise CliError(f"{nvme} belongs to node {ident.get('node')!r}; mount it with "
                            f"--node-id {ident.get('node')} (or use an empty NVME directory)")
-        if ident.get("shared") != shared:  # remembered for `ckptfs replay`
-            ident["shared"] = shared
+        if ident.get("shared") != shared or ident.get("cold", "") != cold:
+            ident["shared"] = shared  # remembered for `ckptfs replay`
+            ident["cold"] = cold
             layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
         return ident
     except FileNotFoundError:
@@ -109,7 +113,7 @@ def identity(nvme: str, node_id: str | None, first_seg: int, shared: str) -> dic
     # "adopted" turns true once the node's published namespace was imported into this new
     # directory (see remote.Refresher.apply_all)
     ident = {"node": node_id or socket.gethostname(), "first_segment": first_seg,
-             "created_ns": time.time_ns(), "shared": shared, "adopted": False}
+             "created_ns": time.time_ns(), "shared": shared, "cold": cold, "adopted": False}
     layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
     return ident
 
@@ -164,6 +168,10 @@ class Daemon:
                     f"{cfg.shared} holds no ckptfs store, but this NVME directory published "
                     f"to one before: is the shared filesystem mounted?")
             self.store.init()
+            self.cold = None
+            if cfg.cold:
+                self.cold = open_store(cfg.cold, cfg.upload_streams)
+                self.cold.init()
         except SharedError as e:
             self.lock.release()
             raise CliError(str(e)) from None
@@ -171,14 +179,16 @@ class Daemon:
             objs = self.store.list_objects(cfg.node_id or socket.gethostname())
         except OSError:
             objs = []
-        ident = identity(cfg.nvme, cfg.node_id, max(objs, default=0) + 1, cfg.shared)
+        ident = identity(cfg.nvme, cfg.node_id, max(objs, default=0) + 1, cfg.shared,
+                         cfg.cold)
         cfg.node_id = ident["node"]
         try:
             check_node_id(cfg.node_id)
         except SharedError as e:
             raise CliError(str(e)) from None
         self.index, self.seglog, self.replay_report = open_state(
-            cfg.nvme, cfg.node_id, cfg.segment_size, store=self.store,
+            cfg.nvme, cfg.node_id, cfg.segment_size,
+            store=Tiered(self.store, self.cold) if self.cold is not None else self.store,
             first_seg=int(ident.get("first_segment", 1)))
         rep = self.replay_report
         if rep.records or rep.corruption:
@@ -196,9 +206,12 @@ class Daemon:
         self.seglog.id_floor = max(objs, default=0)
         self.seglog.seq = max(self.seglog.seq, max(mans, default=0))
         self.reader = Reader(self.seglog.path, cfg.node_id, self.store)
+        self.reader.cold = self.cold
         for seg, info in self.index.iter_segments():
-            if info.state == SegState.EVICTED:
+            if info.state in (SegState.EVICTED, SegState.COLD):
                 self.reader.evicted.add(seg)
+            if info.state == SegState.COLD:
+                self.reader.cold_segs.add(seg)
         self.ns = Namespace(self.index, self.seglog, self.reader)
         self.ns.dedup = cfg.dedup
         if self.replay_report.segments == 0 and self.index.applied == (0, 0, 0):
@@ -225,6 +238,9 @@ class Daemon:
         self.gc = Collector(cfg.nvme, cfg.node_id, self.index, self.drain, self.store,
                             self.seglog.path, self.reader.forget, self.commit_index,
                             grace=cfg.gc_grace)
+        self.gc.cold = self.cold
+        self.drain.cold_url = cfg.cold
+        self.coldtier = ColdTier(self, self.cold, cfg.cold) if self.cold is not None else None
         self.refresher = Refresher(self.ns, self.store, cfg.node_id,
                                    fresh_nvme=not ident.get("adopted", True),
                                    interval=cfg.refresh_interval)
@@ -280,6 +296,8 @@ class Daemon:
             nursery.start_soon(self.refresher.run)
             nursery.start_soon(self.cache.run, self.drain.kick)
             nursery.start_soon(self._retention_loop)
+            if self.coldtier is not None:
+                nursery.start_soon(self.coldtier.run)
             if self.metrics is not None:
                 nursery.start_soon(self.metrics.run, self.status)
             nursery.start_soon(self._gc_loop)
@@ -313,6 +331,8 @@ class Daemon:
                 pyfuse3.invalidate_entry_async(ROOT_INO, os.fsencode(name))
             except Exception:
                 pass
+        if self.coldtier is not None and res["to_cold"]:
+            self.coldtier.want(res["to_cold"])
         for seg in sorted(res["evictable"]):
             info = self.index.get_segment(seg)
             if info is not None and info.state == SegState.PUBLISHED:
@@ -470,6 +490,7 @@ class Daemon:
                       "bytes_not_written": self.ns.dedup_bytes},
             "gc": self.gc.status(),
             "retention": self.retention.status(),
+            "cold": self.coldtier.status() if self.coldtier is not None else None,
             "corrupt_reads": self.reader.corrupt_reads,
             "replay": self.replay_report.as_dict(),
         }

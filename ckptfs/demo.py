@@ -195,22 +195,31 @@ class Ranks:
         spans = self._collect("done").values()
         return min(s for s, _ in spans), max(e for _, e in spans)
 
-    def close(self, graceful: bool) -> None:
+    def close(self, graceful: bool) -> list[str]:
+        """Stop every writer; returns the names of those that would not die (blocked in a
+        request to a hung daemon: they go once the daemon is killed, see `reap`)."""
         if graceful:
             for q in self.jobs:
                 q.put(None)
-            for p in self.procs:
-                p.join(5)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+            _join_all(self.procs, 5)
+        for stop in (mp.Process.terminate, mp.Process.kill):
+            alive = [p for p in self.procs if p.is_alive()]
+            for p in alive:
+                stop(p)
+            _join_all(alive, 3)
+        return [p.name for p in self.procs if p.is_alive()]
+
+    def reap(self) -> None:
+        _join_all(self.procs, 10)
         for q in [self.results, *self.jobs]:
             q.close()
             q.cancel_join_thread()
+
+
+def _join_all(procs: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
 
 
 # --- the demo -----------------------------------------------------------------------------

@@ -84,6 +84,7 @@ class Drain:
         self.dropped: set[int] = {s for s, i in index.iter_segments()
                                   if i.state == SegState.DROPPED}
         self.waiters = 0
+        self.cold_url = ""
         self.manifest_interval = 5.0
         self._last_manifest = 0.0
 
@@ -290,7 +291,8 @@ class Drain:
         for seg, size, dropped in ready:
             if dropped:
                 self.dropped.add(seg)
-            self.pub.set_segment(seg, SegState.PUBLISHED, size=size)
+            if self.pub.get_segment(seg) is None:
+                self.pub.set_segment(seg, SegState.PUBLISHED, size=size)
             sealed, fd = self._open_sealed(seg, size)
             try:
                 for rec in sealed.records():
@@ -303,11 +305,13 @@ class Drain:
             self.published_seq = sealed.seal_seq
         if not want_manifest or self.published_seq <= self.manifest_seq:
             return
-        objects = {manifest.obj_name(self.node, s): {"size": i.size}
+        objects = {manifest.obj_name(self.node, s):
+                   ({"size": i.size, "tier": "cold"} if i.state == SegState.COLD
+                    else {"size": i.size})
                    for s, i in self.pub.iter_segments() if s not in self.dropped}
         try:
             data = manifest.build(self.pub, self.node, self.published_seq, objects,
-                                  time.time_ns(), self.dropped)
+                                  time.time_ns(), self.dropped, self.cold_url)
         except manifest.NotYet as e:
             log.debug("manifest deferred: %s", e)
             self.pub.commit()

@@ -23,11 +23,60 @@ class ExportError(Exception):
     pass
 
 
+class Resolver:
+    """Where each object is: on the shared store, or on its node's cold tier (the manifests
+    say which). Reads try the tier the newest manifest names first, then the other one."""
+
+    def __init__(self, store: SharedStore, manifests: dict[str, manifest.Manifest]):
+        self.store = store
+        self.tiers: dict[str, str] = {}
+        self.cold_urls: dict[str, str] = {}
+        self._cold: dict[str, SharedStore] = {}
+        for node, m in manifests.items():
+            if m.cold:
+                self.cold_urls[node] = m.cold
+            for obj in m.objects:
+                if obj.rsplit("/", 1)[0] == node or obj not in self.tiers:
+                    self.tiers[obj] = m.tier(obj)
+
+    def cold(self, node: str) -> SharedStore | None:
+        url = self.cold_urls.get(node)
+        if url is None:
+            return None
+        if node not in self._cold:
+            self._cold[node] = open_store(url)
+        return self._cold[node]
+
+    def _stores(self, node: str, seg: int) -> list[SharedStore]:
+        cold = self.cold(node)
+        order = [self.store] if cold is None else (
+            [cold, self.store] if self.tiers.get(manifest.obj_name(node, seg)) == "cold"
+            else [self.store, cold])
+        return order
+
+    def _try(self, node: str, seg: int, fn: str, *args: int) -> object:
+        err: Exception | None = None
+        for st in self._stores(node, seg):
+            try:
+                return getattr(st, fn)(node, seg, *args)
+            except (OSError, SharedError) as e:
+                err = e
+        assert err is not None
+        raise err
+
+    def read_range(self, node: str, seg: int, offset: int, length: int) -> bytes:
+        return self._try(node, seg, "read_range", offset, length)  # type: ignore[return-value]
+
+    def object_size(self, node: str, seg: int) -> int:
+        return self._try(node, seg, "object_size")  # type: ignore[return-value]
+
+
 @dataclass
 class View:
     entries: dict[str, tuple[str, manifest.Entry]]  # path -> (node, entry)
     manifests: dict[str, manifest.Manifest]
     errors: list[str]
+    resolver: Resolver | None = None
 
 
 def merged_view(store: SharedStore) -> View:
@@ -49,7 +98,7 @@ def merged_view(store: SharedStore) -> View:
                                             and entries[parent][1].type != "d")):
             hidden.add(path)
             del entries[path]
-    return View(entries, found, errors)
+    return View(entries, found, errors, Resolver(store, found))
 
 
 def select(view: View, prefix: str) -> Iterator[tuple[str, str, manifest.Entry]]:
@@ -63,11 +112,14 @@ def select(view: View, prefix: str) -> Iterator[tuple[str, str, manifest.Entry]]
         yield rel, node, e
 
 
-def read_file(store: SharedStore, e: manifest.Entry) -> Iterator[tuple[int, bytes]]:
+def read_file(store: SharedStore | Resolver, e: manifest.Entry) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) pieces of a file's data, each verified against its record checksum."""
     for off, length, obj, pos, skip, rec_len in e.extents:
         node, seg = manifest.split_obj(obj)
-        whole = store.read_range(node, seg, pos, fmt.RECORD_HEADER_SIZE + rec_len)
+        try:
+            whole = store.read_range(node, seg, pos, fmt.RECORD_HEADER_SIZE + rec_len)
+        except (OSError, SharedError) as err:
+            raise ExportError(f"{e.path}: cannot read object {obj}: {err}") from None
         hdr = fmt.decode_header(whole) if len(whole) >= fmt.RECORD_HEADER_SIZE else None
         if hdr is None or hdr[0] not in fmt.DATA_TYPES or hdr[1] != rec_len \
                 or not fmt.verify_record(whole):
@@ -120,7 +172,7 @@ def export(store: SharedStore, prefix: str, dest: str,
             continue
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            for off, data in read_file(store, e):
+            for off, data in read_file(view.resolver or store, e):
                 os.pwrite(fd, data, off)
                 done += len(data)
                 if progress is not None:
@@ -153,6 +205,7 @@ class CheckpointSummary:
     nodes: list[str]
     marker: bool
     complete: bool
+    tiers: list[str]
 
 
 def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
@@ -169,10 +222,14 @@ def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
         top = path.split("/", 1)[0]
         if not any(fnmatch.fnmatchcase(top, g) for g in retain):
             continue
-        c = out.setdefault(top, CheckpointSummary(top, 0, 0, [], False, False))
+        c = out.setdefault(top, CheckpointSummary(top, 0, 0, [], False, False, []))
         if e.type == "f":
             c.files += 1
             c.bytes += e.size
+            for x in e.extents:
+                t = view.resolver.tiers.get(x[2], "shared") if view.resolver else "shared"
+                if t not in c.tiers:
+                    c.tiers.append(t)
             if node not in c.nodes:
                 c.nodes.append(node)
             rest = path[len(top) + 1:]
@@ -197,7 +254,7 @@ def top_marker_targets(store: SharedStore, view: View) -> set[str]:
         if hit is None or hit[1].type != "f" or hit[1].size > 4096:
             continue
         try:
-            data = b"".join(d for _o, d in read_file(store, hit[1]))
+            data = b"".join(d for _o, d in read_file(view.resolver or store, hit[1]))
         except (OSError, ExportError):
             continue
         out.add(os.path.basename(data.decode(errors="replace").strip().rstrip("/")))

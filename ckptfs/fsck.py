@@ -35,7 +35,10 @@ class FsckReport:
 def fsck(store: SharedStore, deep: bool = False,
          progress: Callable[[str], None] | None = None) -> FsckReport:
     rep = FsckReport()
+    from ckptfs.export import Resolver
+
     referenced: dict[str, dict[tuple[int, int], str]] = {}
+    parsed: dict[str, manifest.Manifest] = {}
     sizes: dict[str, int] = {}
     for node in store.nodes():
         rep.nodes += 1
@@ -53,6 +56,7 @@ def fsck(store: SharedStore, deep: bool = False,
             rep.problems.append(f"{where}: claims to be from node {m.node!r}")
             continue
         rep.manifests += 1
+        parsed[node] = m
         for obj, info in m.objects.items():
             if isinstance(info, dict) and isinstance(info.get("size"), int):
                 sizes[obj] = info["size"]
@@ -61,13 +65,14 @@ def fsck(store: SharedStore, deep: bool = False,
             for _off, length, obj, pos, _skip, rec_len in e.extents:
                 referenced.setdefault(obj, {}).setdefault((pos, rec_len),
                                                           f"{where}: {e.path}")
+    where_is = Resolver(store, parsed)
     for obj, uses in sorted(referenced.items()):
         node, seg = manifest.split_obj(obj)
         if progress:
             progress(obj)
         rep.objects += 1
         try:
-            size = store.object_size(node, seg)
+            size = where_is.object_size(node, seg)
         except Exception as e:
             rep.problems.append(f"{obj}: {e}")
             continue
@@ -76,7 +81,7 @@ def fsck(store: SharedStore, deep: bool = False,
             continue
         try:
             sealed = fmt.SealedSegment(obj, size, lambda o, n, nd=node, sg=seg:
-                                       store.read_range(nd, sg, o, n))
+                                       where_is.read_range(nd, sg, o, n))
         except (OSError, fmt.CorruptRecord) as e:
             rep.problems.append(f"{obj}: {e}")
             continue

@@ -99,6 +99,7 @@ class Collector:
         self.interval = interval
         self.compact_below = compact_below
         self.first_dead: dict[int, float] = {}
+        self.cold: Any = None  # the cold tier's store, if any
         self.stats = GcStats()
         self.snapshot_seg = self._snapshot_seg()
 
@@ -124,8 +125,8 @@ class Collector:
         for seg, i in self.index.iter_segments():
             if seg > pub_seg:
                 break
-            if i.state in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED) \
-                    and i.live == 0 and seg < pub_seg:
+            if i.state in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED,
+                           SegState.COLD) and i.live == 0 and seg < pub_seg:
                 out.append((seg, i.state, i.size))
         return out
 
@@ -157,12 +158,15 @@ class Collector:
             self.stats.snapshots += 1
         ripe = [r for r in ripe if r[0] < self.snapshot_seg]
         for seg, state, size in ripe:
-            if state != SegState.DROPPED:
+            if state == SegState.COLD and self.cold is not None:
+                await trio.to_thread.run_sync(self.cold.delete_object, self.node, seg)
+                self.stats.objects_deleted += 1
+            elif state != SegState.DROPPED:
                 await trio.to_thread.run_sync(self.store.delete_object, self.node, seg)
                 self.stats.objects_deleted += 1
                 self.stats.bytes_freed_shared += size
             self.forget(seg)
-            if state != SegState.EVICTED:
+            if state not in (SegState.EVICTED, SegState.COLD):
                 try:
                     os.unlink(self.seg_path(seg))
                     self.stats.bytes_freed_local += size

@@ -86,8 +86,9 @@ class SegState:
     PUBLISHED = 3
     EVICTED = 4  # published and the local copy is gone
     DROPPED = 5  # all its data died before upload (superseded): never uploaded, kept locally
+    COLD = 6  # moved to the cold tier: only there (not local, not on the shared tier)
     NAMES = {0: "active", 1: "sealed", 2: "uploading", 3: "published", 4: "evicted",
-             5: "dropped"}
+             5: "dropped", 6: "cold"}
 
 
 @dataclass(slots=True)
@@ -417,6 +418,11 @@ class Index:
             self.purge(rec.ino)
         elif t == RecType.IMPORT:
             self._apply_import(rec)
+        elif t == RecType.TIER:
+            body = json.loads(bytes(rec.payload))
+            info = self.get_segment(int(body["seg"]))
+            if info is not None and body.get("tier") == "cold":
+                self.set_segment(int(body["seg"]), SegState.COLD)
         elif t == RecType.XATTR:
             name, value = fmt.parse_xattr(rec.payload)
             key = k_ino(rec.ino) + name

@@ -68,6 +68,11 @@ class Manifest:
     created_ns: int
     objects: dict[str, dict]
     entries: list[Entry]
+    cold: str = ""  # the node's cold tier, where objects with "tier": "cold" are
+
+    def tier(self, obj: str) -> str:
+        info = self.objects.get(obj)
+        return info.get("tier", "shared") if isinstance(info, dict) else "shared"
 
     def files(self) -> Iterator[Entry]:
         return (e for e in self.entries if e.type == "f")
@@ -108,7 +113,7 @@ def walk(index: Index, skip_foreign_of: str | None = None) -> Iterator[tuple[str
 
 
 def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_ns: int,
-          unavailable: set[int] | frozenset[int] = frozenset()) -> bytes:
+          unavailable: set[int] | frozenset[int] = frozenset(), cold: str = "") -> bytes:
     """Serialize the (published view) index as node's manifest."""
     entries: list[dict] = []
     used: set[str] = set()
@@ -140,7 +145,7 @@ def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_n
             continue  # fifos, sockets, devices are not checkpoint data
         entries.append(e)
     body = {"format": "ckptfs-manifest", "version": 1, "node": node, "seq": seq,
-            "created_ns": created_ns,
+            "created_ns": created_ns, "cold": cold,
             "objects": {o: objects.get(o, {}) for o in sorted(used)}, "entries": entries}
     raw = zlib.compress(json.dumps(body, separators=(",", ":")).encode(), 3)
     return MAGIC + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)) + raw
@@ -185,8 +190,13 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
         objects = body.get("objects")
         if not isinstance(objects, dict):
             raise ManifestError("bad objects table")
-        for o in objects:
+        for o, info in objects.items():
             _check_obj(o)
+            if isinstance(info, dict) and info.get("tier", "shared") not in ("shared", "cold"):
+                raise ManifestError(f"object {o}: bad tier {info.get('tier')!r}")
+        cold = body.get("cold", "")
+        if not isinstance(cold, str) or len(cold) > 4096 or "\0" in cold:
+            raise ManifestError("bad cold tier location")
         entries = []
         seen: set[str] = set()
         for e in body.get("entries", []):
@@ -237,7 +247,7 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
                 raise ManifestError(f"{e.path}: its parent {parent!r} is {what}, "
                                     f"not a directory")
         return Manifest(node, _int(body.get("seq", 0), "seq"),
-                        _int(body.get("created_ns", 0), "created_ns"), objects, entries)
+                        _int(body.get("created_ns", 0), "created_ns"), objects, entries, cold)
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}") from None
     except (ValueError, TypeError, zlib.error, struct.error, KeyError) as e:

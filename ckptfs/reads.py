@@ -12,11 +12,12 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from ckptfs import segment as fmt
 from ckptfs.errors import CorruptData, FsError
 from ckptfs.index import VSEG_BIT, Extent
+from ckptfs.shared import SharedError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class Reader:
         self.remote = remote
         self.objrefs: dict[int, tuple[str, int]] = {}
         self.evicted: set[int] = set()  # local segment ids whose file is gone (published)
+        self.cold = None  # the cold tier's store (--cold), for segments in cold_segs
+        self.cold_segs: set[int] = set()
+        self.cold_by_node: dict[str, Any] = {}  # other nodes' cold stores, from manifests
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._verified: OrderedDict[tuple[int, int], None] = OrderedDict()
@@ -102,7 +106,19 @@ class Reader:
             raise FsError(errno.EIO, f"segment {fmt.segment_name(seg)} is not on local disk")
         node, sid = self.objrefs[seg] if seg & VSEG_BIT else (self.node, seg)
         try:
-            data = self.remote.read_range(node, sid, offset, length)
+            if seg in self.cold_segs and self.cold is not None:
+                data = self.cold.read_range(node, sid, offset, length)
+            else:
+                try:
+                    data = self.remote.read_range(node, sid, offset, length)
+                except (OSError, SharedError):
+                    # moved to its node's cold tier since we learned where it was?
+                    alt = self.cold_by_node.get(node)
+                    if alt is None:
+                        raise
+                    data = alt.read_range(node, sid, offset, length)
+        except SharedError as e:
+            raise FsError(errno.EIO, str(e)) from None
         except OSError as e:
             log.error("reading %s/%s from the shared store failed: %s", node,
                       fmt.segment_name(sid), e)

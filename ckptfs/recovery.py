@@ -113,6 +113,19 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
     rep.segments = len(ids)
     a_seg, a_pos, a_seq = index.applied
     seglog.seq = max(seglog.seq, a_seq)
+    if ids:
+        # segments are numbered without gaps: one missing from NVMe and from the stores
+        # means records we cannot replay; say so instead of rebuilding a namespace without
+        # them (garbage collection only deletes segments an index snapshot covers)
+        lo = max(a_seg, first_seg if first_seg is not None else ids[0], ids[0])
+        have = set(ids)
+        for seg in range(lo, ids[-1]):
+            if seg not in have:
+                rep.corruption.append(
+                    f"segment {fmt.segment_name(seg)} is missing (not on NVMe"
+                    + (" nor on the shared store" if store is not None else
+                       "; segments evicted after publishing are replayed only with --shared")
+                    + ")")
     for seg in ids:
         if seg < a_seg:
             continue

@@ -122,6 +122,14 @@ class Refresher:
         newer than anything it published."""
         n = 0
         for node, m in sorted(found.items()):
+            if m.cold and node != self.node and node not in self.ns.reader.cold_by_node:
+                from ckptfs.shared import open_store
+
+                try:  # where that node's cold objects are, for reads of its files
+                    self.ns.reader.cold_by_node[node] = open_store(m.cold)
+                except Exception as e:  # noqa: BLE001 - untrusted input; reads will say EIO
+                    log.warning("node %s names a cold tier %s we cannot open: %s", node,
+                                m.cold, e)
             if node == self.node:
                 if at_mount and self.fresh_nvme:
                     log.info("new NVME directory for node %s: importing its published "

@@ -44,6 +44,8 @@ class RetentionConfig:
     markers: tuple[str, ...] = DEFAULT_MARKERS
     keep_local: int = 0  # 0 = no checkpoint-based eviction (watermarks still apply)
     keep_shared: int = 0  # 0 = keep everything
+    cold: bool = False  # a cold tier is configured: the band after keep_shared moves there
+    keep_cold: int = 0  # 0 = keep everything on the cold tier
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Retention:
         self.cfg = cfg
         self.deleted: list[str] = []
         self.protected: set[int] = set()  # segments of the newest checkpoint(s)
+        self.cold_band: list[str] = []
 
     def _matches(self, name: str, globs: tuple[str, ...]) -> bool:
         return any(fnmatch.fnmatchcase(name, g) for g in globs)
@@ -117,15 +120,30 @@ class Retention:
         """Apply keep-shared (deletes) and compute keep-local protection; returns what it did."""
         cps = self.checkpoints()
         deleted = []
+        to_cold: set[int] = set()
+        self.cold_band = []
         if self.cfg.keep_shared:
             complete = [c for c in cps if c.complete]
-            if len(complete) > self.cfg.keep_shared:
-                cutoff = complete[-self.cfg.keep_shared].order
+            keep = self.cfg.keep_shared
+            if len(complete) > keep:
+                hot_cutoff = complete[-keep].order
+                if self.cfg.cold and self.cfg.keep_cold:
+                    total = keep + self.cfg.keep_cold
+                    cutoff = complete[-total].order if len(complete) > total else -1
+                elif self.cfg.cold:
+                    cutoff = -1  # keep every older checkpoint, on the cold tier
+                else:
+                    cutoff = hot_cutoff
                 for c in cps:
                     if c.order < cutoff:
                         self._delete(c)
                         deleted.append(c.name)
                 cps = [c for c in cps if c.order >= cutoff]
+                if self.cfg.cold:
+                    band = [c for c in cps if c.order < hot_cutoff]
+                    self.cold_band = [c.name for c in band]
+                    if band:
+                        to_cold = self._exclusive_segments(band)
         evictable: set[int] = set()
         if cps:
             newest = cps[-1]
@@ -137,7 +155,25 @@ class Retention:
                     keep_segs |= self._segments_of(c.ino)
                 for c in cps[:-self.cfg.keep_local]:
                     evictable |= self._segments_of(c.ino) - keep_segs
-        return {"deleted": deleted, "evictable": evictable}
+        return {"deleted": deleted, "evictable": evictable, "to_cold": to_cold}
+
+    def _exclusive_segments(self, band: list[Checkpoint]) -> set[int]:
+        """Segments whose live data all belongs to the checkpoints in `band`."""
+        names = {c.name for c in band}
+        inside: set[int] = set()
+        outside: set[int] = set()
+        for _cookie, name, child in self.ns.index.readdir(ROOT_INO, 0):
+            segs = self._segments_of_entry(child)
+            (inside if os.fsdecode(name) in names else outside).update(segs)
+        return inside - outside
+
+    def _segments_of_entry(self, ino: int) -> set[int]:
+        node = self.ns.index.get_inode(ino)
+        if node is None:
+            return set()
+        if node.is_dir:
+            return self._segments_of(ino)
+        return {e.seg for e in self.ns.index.iter_extents(ino) if not e.seg & VSEG_BIT}
 
     def _delete(self, c: Checkpoint) -> None:
         """rm -rf through the namespace: ordinary UNLINK records, replayed like any other."""
@@ -160,6 +196,8 @@ class Retention:
 
     def status(self) -> dict[str, Any]:
         cps = self.checkpoints()
-        return {"checkpoints": [{"name": c.name, "complete": c.complete} for c in cps],
+        return {"checkpoints": [{"name": c.name, "complete": c.complete,
+                                 "tier": "cold" if c.name in self.cold_band else "shared"}
+                                for c in cps],
                 "keep_local": self.cfg.keep_local, "keep_shared": self.cfg.keep_shared,
                 "recently_deleted": self.deleted[-5:]}

@@ -58,9 +58,10 @@ class RecType:
     IMPORT = 9  # ino; payload = JSON: a file's content as ranges of published objects
     RELOC = 10  # like WRITE, but moves data (compaction): changes no times, same bytes
     REF = 11  # ino, offset; payload = REF_BODY: data identical to an earlier WRITE record's
+    TIER = 12  # payload = JSON {"seg": id, "tier": "cold"}: a published segment moved tiers
 
     NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
-             7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC", 11: "REF"}
+             7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC", 11: "REF", 12: "TIER"}
 
 
 DATA_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -275,7 +276,8 @@ def _find_next_valid(f: BinaryIO, start: int, file_size: int, path: str) -> int 
 def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = False,
                  read_payload_types: frozenset[int] = frozenset(
                      {RecType.CREATE, RecType.UNLINK, RecType.RENAME, RecType.SETATTR,
-                      RecType.PURGE, RecType.XATTR, RecType.IMPORT, RecType.REF}),
+                      RecType.PURGE, RecType.XATTR, RecType.IMPORT, RecType.REF,
+                      RecType.TIER}),
                  result: ScanResult | None = None,
                  table: dict[int, tuple] | None = None) -> Iterator[Record]:
     """Yield verified records from `start`. Data payloads are checksummed but not returned

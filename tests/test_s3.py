@@ -301,3 +301,53 @@ def test_s3_errors_are_one_clear_line(weed: Weed, tmp_path: Path) -> None:
 
     assert not is_mounted(dirs[1], None)
     shutil.rmtree(tmp_path / "nvme")
+
+
+@pytest.mark.parametrize("cold_kind", ["posix", "s3"])
+def test_cold_tier_move_and_read_back(cold_kind: str, mounts, tmp_path: Path,
+                                      request: pytest.FixtureRequest) -> None:
+    shared = tmp_path / "shared-dir"
+    shared.mkdir()
+    if cold_kind == "s3":
+        cold = f"s3://{new_bucket(request.getfixturevalue('weed'))}/archive"
+    else:
+        (tmp_path / "cold-dir").mkdir()
+        cold = str(tmp_path / "cold-dir")
+    m = start(mounts, tmp_path, "m", str(shared), "--node-id", "n0", "--keep-shared", "1",
+              "--cold", cold, "--keep-cold", "1")
+    data = {}
+    for step in (1, 2, 3):
+        d = m.mnt / f"step_{step}"
+        d.mkdir()
+        data[step] = os.urandom(2_500_000)
+        (d / "model.pt").write_bytes(data[step])
+        (d / ".metadata").write_bytes(b"m")
+        assert run_cli("wait", d, "--timeout", "120", timeout=150).rc == 0
+    # step_1 is gone (beyond keep-shared + keep-cold), step_2 moved to the cold tier
+    wait_for(lambda: sorted(os.listdir(m.mnt)) == ["step_2", "step_3"], 30, "retention")
+    sock, _ = control.find_socket(str(m.mnt))
+
+    def moved() -> dict | None:
+        st = control.request(sock, {"op": "status"}, timeout=30)["status"]
+        return st if st["segments"].get("cold") and not st["cold"]["pending"] else None
+
+    st = wait_for(moved, 60, "step_2 to move to the cold tier")
+    assert st["cold"]["segments_moved"] > 0
+    ls = json.loads(run_cli("ls", str(shared), "--json").out)
+    tiers = {c["name"]: c["tiers"] for c in ls}
+    assert tiers == {"step_2": ["cold"], "step_3": ["shared"]}, tiers
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+    assert (m.mnt / "step_2" / "model.pt").read_bytes() == data[2]  # through the mount
+    res = run_cli("export", str(shared), "step_2", tmp_path / "out")  # without it
+    assert res.rc == 0, str(res)
+    assert (tmp_path / "out" / "model.pt").read_bytes() == data[2]
+    assert run_cli("fsck", str(shared), "--deep").rc == 0
+    # another node reads the cold checkpoint too (the manifest says where it is)
+    b = start(mounts, tmp_path, "b", str(shared), "--node-id", "n1")
+    assert (b.mnt / "step_2" / "model.pt").read_bytes() == data[2]
+    # and a full replay of NVME finds the moved segments on the cold tier
+    m.unmount()
+    res = run_cli("replay", m.nvme, "--json")
+    assert res.rc == 0, str(res)
+    assert json.loads(res.out)["files"] == 4
