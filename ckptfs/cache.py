@@ -30,7 +30,7 @@ from ckptfs.reads import Reader
 
 log = logging.getLogger(__name__)
 
-HEADROOM = 64 << 20  # keep this much free on the NVMe filesystem for the log and the index
+HEADROOM = 64 << 20  # keep this much (at most 1/16 of it) free on NVMe for log and index
 CHECK_EVERY = 32 << 20  # bytes written between two measurements on the write path
 
 
@@ -61,6 +61,9 @@ class LocalCache:
         self.state = "ok"
         self._space = trio.Event()
         self._since_check = 0
+        total = shutil.disk_usage(nvme).total
+        # measure often enough that the headroom cannot be overrun between two measurements
+        self._check_every = max(1 << 20, min(CHECK_EVERY, total // 64))
         self.local_bytes = self._count_local()
 
     def _count_local(self) -> int:
@@ -73,7 +76,7 @@ class LocalCache:
         """(usage fraction against the watermarks, at the hard limit?)."""
         du = shutil.disk_usage(self.nvme)
         fs_frac = (du.total - du.free) / du.total if du.total else 0.0
-        hard = du.free < HEADROOM
+        hard = du.free < min(HEADROOM, du.total // 16)
         frac = fs_frac
         if self.cfg.cache_size:
             mine = self.local_bytes + self.active_bytes()
@@ -163,7 +166,7 @@ class LocalCache:
         self._since_check += nbytes
         over_cap = bool(self.cfg.cache_size) and (
             self.local_bytes + self.active_bytes() + nbytes > self.cfg.cache_size)
-        if over_cap or self._since_check >= CHECK_EVERY:
+        if over_cap or self._since_check >= self._check_every:
             self._since_check = 0
             self.check()
         return self.state != "full"

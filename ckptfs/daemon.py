@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import shutil
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from ckptfs.drain import Drain
 from ckptfs.gc import Collector
 from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.drain import PUBLISHED_DIR
-from ckptfs.index import ROOT_INO, Index, SegState, read_applied
+from ckptfs.index import ROOT_INO, Index, IndexCommitError, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
 from ckptfs.shared import SharedError, SharedStore, check_node_id, open_store
 from ckptfs.log import SegmentLog
@@ -366,7 +367,28 @@ class Daemon:
             return
         await self.seglog.sync()
         self.seglog.sync_now()
-        self.index.commit()
+        try:
+            self.index.commit()
+        except IndexCommitError as e:
+            self._recover_index(str(e))
+
+    def _recover_index(self, why: str) -> None:
+        """The index fell back to its last commit: bring it forward from the log again,
+        including the segment states that only the index kept."""
+        from ckptfs.recovery import catch_up
+
+        n = catch_up(self.index, self.seglog)
+        for seg in self.reader.evicted:
+            info = self.index.get_segment(seg)
+            if info is not None and info.state == SegState.PUBLISHED:
+                self.index.set_segment(seg, SegState.EVICTED)
+        if self.seglog.fd >= 0 and self.index.get_segment(self.seglog.seg_id) is None:
+            self.index.set_segment(self.seglog.seg_id, SegState.ACTIVE)
+        for seg, _size in self.drain.pending():
+            self.drain.enqueue(seg)
+        self.drain.kick()
+        log.error("%s: %d records re-applied; is NVMe full? (%s free)", why, n,
+                  shutil.disk_usage(self.cfg.nvme).free)
 
     async def _commit_loop(self) -> None:
         while True:
@@ -440,8 +462,6 @@ class Daemon:
         return ino
 
     def status(self) -> dict:
-        import shutil
-
         from ckptfs.index import SegState
 
         by_state: dict[str, int] = {}
@@ -501,7 +521,11 @@ class Daemon:
         except OSError as e:
             log.error("sealing at shutdown failed: %s", e)
         self.seglog.close()
-        self.index.close(commit=True)
+        try:
+            self.index.close(commit=True)
+        except IndexCommitError as e:  # the next mount replays the log past the last commit
+            log.error("%s", e)
+            self.index.close(commit=False)
         self.drain.close()
         self.reader.close()
         self.store.close()
@@ -550,6 +574,9 @@ def run_foreground(cfg: MountConfig, ready_fd: int = -1) -> int:
         os.close(ready_fd)
     try:
         trio.run(d.run)
+    except BaseException:
+        log.exception("the daemon stopped on an unexpected error")
+        raise
     finally:
         pyfuse3.close(unmount=True)
         d.shutdown()

@@ -323,11 +323,11 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
     total = ranks * files_per_rank * size
     if workdir is not None:
         os.makedirs(workdir, exist_ok=True)
-    dirs = Dirs(os.path.abspath(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=workdir)))
+    # realpath: the cleanup finds the mount in /proc/mounts by this exact path, never by stat
+    dirs = Dirs(os.path.realpath(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=workdir)))
     writers: Ranks | None = None
     daemon_pid: int | None = None
     ok = False
-    interrupted = False
     try:
         con.print(f"[bold]ckptfs demo[/] in {dirs.root}: {ranks} ranks x {files_per_rank} files "
                   f"x {size / (1 << 20):g} MiB = {nfiles} files, {total / (1 << 20):,.0f} MiB")
@@ -375,7 +375,6 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
         ok = True
         return 0
     except KeyboardInterrupt as e:
-        interrupted = True
         why = f"terminated by {e}" if isinstance(e, _Terminated) else "interrupted"
         con.print(f"[yellow]{why}: cleaning up[/]")
         return 130
@@ -384,19 +383,31 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
         _log_tail(con, dirs.nvme)
         return 1
     finally:
-        # A second Ctrl-C must not leave a half-cleaned mount: every step below is bounded.
-        # Programs it starts inherit the ignoring; the daemon is in its own session anyway.
+        # Every step below is bounded, and a second Ctrl-C (or the terminal closing) must not
+        # stop it halfway; programs it starts inherit the ignoring.
         with _ignored(signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            if writers is not None:
-                writers.close(graceful=ok)
-            if layout.mount_type(dirs.mnt) is not None or _find_daemon(dirs.mnt) is not None:
-                _unmount(con, dirs.mnt, daemon_pid, drain=ok and not interrupted)
-            if keep:
-                con.print(f"kept {dirs.root} (nvme/, shared/, shared-plain/, export/)")
-            elif layout.mount_type(dirs.mnt) is None:
-                shutil.rmtree(dirs.root, ignore_errors=True)
-            else:
-                con.print(f"[red]{dirs.mnt} is still mounted; left {dirs.root} in place[/]")
+            _cleanup(con, dirs, writers, daemon_pid, ok, keep)
+
+
+def _cleanup(con: Any, dirs: Dirs, writers: Ranks | None, pid: int | None, ok: bool,
+             keep: bool) -> None:
+    stuck = writers.close(graceful=ok) if writers is not None else []
+    if pid is None:
+        pid = _lock_holder(dirs.nvme)
+    if _mounted(dirs.mnt) or (pid is not None and _alive(pid)):
+        # Writers that cannot be stopped are blocked in a request to a hung daemon:
+        # `ckptfs umount` would block the same way, so go straight to the forced path.
+        if stuck or not _umount(con, dirs.mnt, drain=ok):
+            _force_unmount(con, dirs.mnt, pid, why=f"writers stuck: {', '.join(stuck)}"
+                           if stuck else "ckptfs umount failed")
+    if writers is not None:
+        writers.reap()
+    if _mounted(dirs.mnt):
+        con.print(f"[red]{dirs.mnt} is still mounted; left {dirs.root} in place[/]")
+    elif keep:
+        con.print(f"kept {dirs.root} (nvme/, shared/, shared-plain/, export/)")
+    else:
+        shutil.rmtree(dirs.root, ignore_errors=True)
 
 
 def _table(con: Any, nfiles: int, straight_files: int, objects: int, manifests: int,
@@ -440,59 +451,83 @@ def _log_tail(con: Any, nvme: str, lines: int = 15) -> None:
             con.print(f"  {line}", markup=False, style="dim")
 
 
-def _pid_is_our_daemon(pid: int, mnt: str) -> bool:
+def _mounted(mnt: str) -> bool:
+    """From /proc/mounts alone: stat() on the mount would hang if the daemon is hung."""
+    return any(m == mnt for _src, m, _type in layout.mounts())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _serves(pid: int, mnt: str) -> bool:
+    """Is pid (still) the daemon of mnt? Guards the kill against a reused pid."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-    except (OSError, IndexError):
+    except OSError:
         return False
-    return os.fsencode(mnt) in argv and b"ckptfs" in argv
+    return _alive(pid) and b"ckptfs" in argv and os.fsencode(mnt) in argv
 
 
-def _find_daemon(mnt: str) -> int | None:
-    """The daemon serving our (uniquely named) mount point, found without touching the mount."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid() and _pid_is_our_daemon(int(entry), mnt):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"--foreground" in f.read().split(b"\0"):
-                        return int(entry)
-            except OSError:
-                continue
-    return None
+def _lock_holder(nvme: str) -> int | None:
+    """The pid of the daemon holding NVME's lock (it writes its pid there), if one does."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(nvme, layout.LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(fd, fcntl.LOCK_UN)  # nobody holds it: no daemon
+        return None
+    finally:
+        os.close(fd)
 
 
-def _unmount(con: Any, mnt: str, pid: int | None, drain: bool) -> None:
-    """`ckptfs umount`; if that fails, detach lazily and kill the daemon we started."""
-    if pid is None:
-        pid = _find_daemon(mnt)
+def _umount(con: Any, mnt: str, drain: bool) -> bool:
+    """`ckptfs umount` (drains first after a successful run). True if it worked."""
     argv = _ckptfs("umount", mnt, "--timeout", "120" if drain else "20")
     if not drain:
         argv.append("--no-drain")
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=150)
-        clean = res.returncode == 0
-        if not clean:
-            con.print(f"[yellow]ckptfs umount failed: {res.stderr.strip()}[/]")
+        _out, err = proc.communicate(timeout=150 if drain else 30)
     except subprocess.TimeoutExpired:
-        clean = False
+        proc.kill()  # it may be blocked on the mount; the forced path frees it
         con.print("[yellow]ckptfs umount timed out[/]")
-    if clean and layout.mount_type(mnt) is None \
-            and (pid is None or not _pid_is_our_daemon(pid, mnt)):
-        con.print(f"unmounted {mnt}")
-        return
-    subprocess.run(["fusermount3", "-uz", mnt], stdin=subprocess.DEVNULL, capture_output=True,
-                   timeout=30)
-    if pid is not None and _pid_is_our_daemon(pid, mnt):
-        os.kill(pid, signal.SIGKILL)
+        return False
+    if proc.returncode != 0:
+        con.print(f"[yellow]ckptfs umount failed: {err.strip()}[/]")
+        return False
+    con.print(f"unmounted {mnt}")
+    return not _mounted(mnt)
+
+
+def _force_unmount(con: Any, mnt: str, pid: int | None, why: str) -> None:
+    """Detach the mount lazily and SIGKILL the daemon this demo started (found by the pid it
+    reported, or by the NVME lock it holds: never by name)."""
+    with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+        subprocess.run(["fusermount3", "-uz", mnt], stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=30)
+    if pid is not None and _serves(pid, mnt):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while _pid_is_our_daemon(pid, mnt) and time.monotonic() < deadline:
+        while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-    con.print(f"[yellow]forced: detached {mnt} and killed daemon pid {pid}[/]")
+    con.print(f"[yellow]forced cleanup ({why}): detached {mnt}"
+              + (f", killed daemon pid {pid}" if pid is not None else "") + "[/]")
 
 
 # --- CLI glue (`ckptfs demo`) -------------------------------------------------------------

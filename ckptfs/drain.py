@@ -99,7 +99,7 @@ class Drain:
         self._kick.set()
 
     def enqueue(self, seg: int) -> None:
-        if seg not in self._queued:
+        if seg not in self._queued and seg not in self.in_flight:
             self._queued.add(seg)
             self._send.send_nowait(seg)
 

@@ -79,6 +79,10 @@ def read_applied(path: str) -> tuple[int, int, int] | None:
         env.close()
 
 
+class IndexCommitError(Exception):
+    """LMDB refused a commit; the index is back at its last committed state."""
+
+
 class SegState:
     ACTIVE = 0
     SEALED = 1
@@ -177,30 +181,53 @@ class Index:
         self.origins = self.env.open_db(b"origins")
         self.chunks = self.env.open_db(b"chunks")
         self.txn = self.env.begin(write=True)
-        self.dirty = 0
-        raw = self.txn.get(b"applied", db=self.meta)
-        self.applied = APPLIED.unpack(raw) if raw else (0, 0, 0)
-        raw = self.txn.get(b"next_ino", db=self.meta)
-        self.next_ino = U64.unpack(raw)[0] if raw else ROOT_INO + 1
         self._dead: dict[int, int] = {}  # per segment, not yet in the segments db
         self._data: dict[int, int] = {}
+        self._load_meta()
 
     # --- transactions -------------------------------------------------------------------
 
     def commit(self) -> None:
-        """Make everything applied so far durable in LMDB and start a new transaction."""
-        self._flush_dead()
-        self.txn.put(b"applied", APPLIED.pack(*self.applied), db=self.meta)
-        self.txn.put(b"next_ino", U64.pack(self.next_ino), db=self.meta)
-        self.txn.commit()
+        """Make everything applied so far durable in LMDB and start a new transaction.
+
+        If LMDB cannot commit (a full disk), the transaction and every change since the last
+        commit are gone from the index, not from the log: the index goes back to its last
+        committed state and IndexCommitError tells the caller to re-apply the log from there.
+        """
+        try:
+            self._flush_dead()
+            self.txn.put(b"applied", APPLIED.pack(*self.applied), db=self.meta)
+            self.txn.put(b"next_ino", U64.pack(self.next_ino), db=self.meta)
+            self.txn.commit()
+        except lmdb.Error as e:
+            try:
+                self.txn.abort()
+            except lmdb.Error:
+                pass
+            self.txn = self.env.begin(write=True)
+            self._load_meta()
+            raise IndexCommitError(f"index commit failed ({e}); re-applying the log") from None
         self.txn = self.env.begin(write=True)
+        self.dirty = 0
+
+    def _load_meta(self) -> None:
+        raw = self.txn.get(b"applied", db=self.meta)
+        self.applied = APPLIED.unpack(raw) if raw else (0, 0, 0)
+        raw = self.txn.get(b"next_ino", db=self.meta)
+        self.next_ino = U64.unpack(raw)[0] if raw else ROOT_INO + 1
+        self._dead.clear()
+        self._data.clear()
         self.dirty = 0
 
     def close(self, commit: bool = True) -> None:
         if commit:
             self.commit()
         self.txn.abort()
-        self.env.sync(True)
+        self.txn = None  # type: ignore[assignment]
+        try:
+            self.env.sync(True)
+        except lmdb.Error:
+            pass  # the log is the truth; the next mount replays past the last good commit
         self.env.close()
 
     def wipe(self) -> None:

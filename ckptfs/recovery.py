@@ -218,3 +218,29 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             rep.file_bytes += node.size
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+def catch_up(index: Index, seglog: SegmentLog) -> int:
+    """Re-apply the live log from the index's committed position to the current end (after a
+    failed commit rolled the index back). Unlike replay, nothing is sealed: every record up to
+    the log's tail was written by this daemon and is whole."""
+    seg, pos, _ = index.applied
+    n = 0
+    for sid in seglog.existing():
+        if sid < seg:
+            continue
+        path = seglog.path(sid)
+        size = os.path.getsize(path)
+        start = pos if sid == seg else fmt.SEGMENT_HEADER_SIZE
+        if sid == seg and start >= size - fmt.FOOTER_SIZE and _has_footer(path, size):
+            continue
+        if index.get_segment(sid) is None:
+            index.set_segment(sid, SegState.ACTIVE)
+        scan = fmt.ScanResult()
+        for rec in fmt.scan_segment(path, start, newest=True, result=scan):
+            index.apply(sid, rec)
+            n += 1
+        info = index.get_segment(sid)
+        if scan.sealed and info is not None and info.state == SegState.ACTIVE:
+            index.set_segment(sid, SegState.SEALED, size=size, sealed_ns=time.time_ns())
+    return n
