@@ -16,4 +16,4 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/pip install -q -e ".[test]${CKPTFS_EXTRAS:+,$CKPTFS_EXTRAS}"
+.venv/bin/pip install -q -e ".[test${CKPTFS_EXTRAS:+,$CKPTFS_EXTRAS}]"
