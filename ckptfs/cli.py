@@ -122,7 +122,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
                           a.keep_local, a.keep_shared, bool(a.cold), a.keep_cold),
                       cold=(a.cold if not a.cold or a.cold.startswith("s3://")
                             else os.path.abspath(a.cold)) if a.cold else "",
-                      gc_grace=a.gc_grace, nodes_required=a.nodes, dedup=not a.no_dedup)
+                      gc_grace=a.gc_grace, nodes_required=a.nodes, dedup=not a.no_dedup,
+                      drain_policy=a.drain_policy)
     if a.keep_local < 0 or a.keep_shared < 0 or a.keep_cold < 0:
         raise CliError("--keep-local, --keep-shared and --keep-cold must not be negative")
     if a.cold and not a.keep_shared:
@@ -192,7 +193,7 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
            "--refresh-interval", str(a.refresh_interval),
            "--keep-local", str(a.keep_local), "--keep-shared", str(a.keep_shared),
            "--gc-grace", str(a.gc_grace), "--nodes", str(a.nodes),
-           "--keep-cold", str(a.keep_cold),
+           "--keep-cold", str(a.keep_cold), "--drain-policy", a.drain_policy,
            "--log-level", a.log_level, "--upload-streams", str(a.upload_streams),
            "--upload-limit", str(a.upload_limit), "--metrics-port", str(a.metrics_port)]
     if a.node_id:
@@ -654,6 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--upload-streams", type=int, default=2, help="parallel drain streams")
     m.add_argument("--upload-limit", type=positive_float, default=0.0,
                    help="drain bandwidth cap in MB/s (0 = none)")
+    m.add_argument("--drain-policy", choices=["yield", "always"], default="yield",
+                   help="yield: uploads pause while the application writes fast (the save "
+                        "gets the disk and CPU first) unless someone waits or space runs "
+                        "short; always: drain concurrently (default yield)")
     m.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port (0 = off)")
     m.add_argument("--high-watermark", type=float, default=0.85,

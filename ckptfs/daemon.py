@@ -56,6 +56,7 @@ class MountConfig:
     nodes_required: int = 0
     dedup: bool = True
     cold: str = ""  # the cold tier's location (directory or s3:// URL), "" = none
+    drain_policy: str = "yield"
 
 
 class NvmeLock:
@@ -241,6 +242,10 @@ class Daemon:
                             grace=cfg.gc_grace)
         self.gc.cold = self.cold
         self.drain.cold_url = cfg.cold
+        self.drain.policy = cfg.drain_policy
+        self.drain.write_rate = self.seglog.write_rate
+        self.drain.under_pressure = lambda: (self.cache.state != "ok"
+                                             or self.cache.usage()[0] >= cfg.cache.high)
         self.coldtier = ColdTier(self, self.cold, cfg.cold) if self.cold is not None else None
         self.refresher = Refresher(self.ns, self.store, cfg.node_id,
                                    fresh_nvme=not ident.get("adopted", True),
@@ -506,6 +511,8 @@ class Daemon:
             "cache": self.cache.status(),
             "live_data_bytes": live, "segment_data_bytes": data,
             "segments_dropped": self.drain.stats.segments_dropped,
+            "drain_yielding": self.drain.yielding,
+            "drain_yield_seconds": round(self.drain.yield_seconds, 1),
             "dedup": {"enabled": self.ns.dedup, "hits": self.ns.dedup_hits,
                       "bytes_not_written": self.ns.dedup_bytes},
             "gc": self.gc.status(),

@@ -85,7 +85,16 @@ class Drain:
                                   if i.state == SegState.DROPPED}
         self.waiters = 0
         self.cold_url = ""
-        self.manifest_interval = 5.0
+        # the "yield" policy: while the application writes fast, uploads wait (the save gets
+        # the machine first), unless someone waits for the drain or local space runs short
+        self.policy = "yield"
+        self.write_rate: Callable[[], float] = lambda: 0.0
+        self.under_pressure: Callable[[], bool] = lambda: False
+        self.busy_rate = 16e6
+        self.max_yield = 30.0
+        self.yielding = False
+        self.yield_seconds = 0.0
+        self.manifest_interval = 30.0
         self._last_manifest = 0.0
 
     # --- entry points -------------------------------------------------------------------
@@ -118,6 +127,7 @@ class Drain:
             for _ in range(self.streams):
                 nursery.start_soon(self._worker, self._recv.clone())
             nursery.start_soon(self._publisher)
+            nursery.start_soon(self._yield_policy)
             self._kick.set()
             task_status.started()
 
@@ -151,6 +161,27 @@ class Drain:
                                   if self.stats.last_error else ""))
 
     # --- uploading --------------------------------------------------------------------------
+
+    async def _yield_policy(self) -> None:
+        since = 0.0
+        while True:
+            await trio.sleep(0.1)
+            now = time.monotonic()
+            busy = (self.policy == "yield" and not self.waiters and not self.under_pressure()
+                    and self.write_rate() >= self.busy_rate)
+            if busy and not self.yielding:
+                since = now
+            if busy and now - since > self.max_yield:
+                busy = False  # never starve the drain for long: let it run a while
+                if now - since > self.max_yield + 5:
+                    since = now
+            if self.yielding:
+                self.yield_seconds += 0.1
+            self.yielding = busy
+            if busy:
+                self.limiter.hold.set()
+            else:
+                self.limiter.hold.clear()
 
     async def _retrying(self, what: str, fn: Callable, *args: Any, pub: bool = False) -> Any:
         delay = 0.5
@@ -206,6 +237,8 @@ class Drain:
 
         delay = 0.5
         while True:
+            while self.yielding:
+                await trio.sleep(0.1)
             info = self.index.get_segment(seg)
             if info is not None and info.data > 0 and info.live == 0:
                 # superseded (checked before every attempt: a retention pass may have deleted
@@ -257,10 +290,12 @@ class Drain:
             await self._kick.wait()
             self._kick = trio.Event()
             ready = self._ready_segments()
-            # a manifest is O(files) to build: make one when someone waits, when the queue
-            # is empty, or every manifest_interval, not after every segment
+            # a manifest is O(files) to build and 3 namespace operations on SHARED: make one
+            # when someone waits, when the writers paused (queue drained, log idle), or every
+            # manifest_interval; not after every segment
             now = time.monotonic()
-            want = bool(self.waiters or not self._queued
+            quiet = not self._queued and self.write_rate() == 0.0
+            want = bool(self.waiters or quiet
                         or now - self._last_manifest >= self.manifest_interval)
             if not ready and (self.manifest_seq >= self.published_seq or not want):
                 continue

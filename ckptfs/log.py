@@ -21,6 +21,7 @@ from ckptfs.segment import RecType, Record
 log = logging.getLogger(__name__)
 
 GROUP_YIELDS = int(os.environ.get("CKPTFS_GROUP_YIELDS", "2"))
+RATE_WINDOW = 0.5
 
 
 @dataclass
@@ -48,6 +49,9 @@ class SegmentLog:
         self.id_floor = 0  # segment ids at or below this are taken (on the shared store)
         self.rows = bytearray()  # SEAL table rows of the active segment
         self.last_append = 0.0
+        self.recent_rate = 0.0  # bytes/s appended over the last full window
+        self._win_start = 0.0
+        self._win_bytes = 0
         self.stats = LogStats()
         # group commit: (seg, pos) made durable so far
         self.synced: tuple[int, int] = (0, 0)
@@ -117,9 +121,20 @@ class SegmentLog:
         st = self.stats
         st.records += 1
         st.bytes_appended += size
+        now_m = self.last_append
+        if now_m - self._win_start >= RATE_WINDOW:
+            self.recent_rate = self._win_bytes / max(now_m - self._win_start, RATE_WINDOW)
+            self._win_start, self._win_bytes = now_m, 0
+        self._win_bytes += size
         if rtype == RecType.WRITE:
             st.data_bytes += len(payload)
         return self.seg_id, rec
+
+    def write_rate(self) -> float:
+        """Bytes/s appended recently (0 once writes stopped for a window)."""
+        if time.monotonic() - self.last_append > 2 * RATE_WINDOW:
+            return 0.0
+        return self.recent_rate
 
     def should_seal(self) -> bool:
         return self.fd >= 0 and self.tail >= self.segment_size

@@ -51,8 +51,11 @@ class RateLimiter:
         self.rate = bytes_per_s
         self.lock = threading.Lock()
         self.next_free = time.monotonic()
+        self.hold = threading.Event()  # set: uploads pause between chunks (writers go first)
 
     def take(self, n: int) -> None:
+        while self.hold.is_set():
+            time.sleep(0.05)
         if self.rate <= 0:
             return
         with self.lock:
