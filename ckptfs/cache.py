@@ -68,7 +68,7 @@ class LocalCache:
 
     def _count_local(self) -> int:
         return sum(i.size for _s, i in self.index.iter_segments()
-                   if i.state not in (SegState.EVICTED, SegState.ACTIVE))
+                   if i.state not in (SegState.EVICTED, SegState.ACTIVE, SegState.COLD))
 
     # --- measuring ------------------------------------------------------------------------
 

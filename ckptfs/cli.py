@@ -8,8 +8,10 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -63,23 +65,56 @@ def _fusermount(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["fusermount3", *args], capture_output=True, text=True)
 
 
-def _dead_ckptfs_mount(mnt: str) -> bool:
-    """A ckptfs mount whose daemon is gone. The kernel may still answer stat from its
-    attribute cache for a few seconds after the daemon died, so ask the daemon itself."""
-    if layout.mount_type(mnt) != layout.FSTYPE:
-        return False
-    try:
-        pid = int(os.getxattr(mnt, "user.ckptfs.pid"))
-    except OSError as e:
-        return e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO)
-    except ValueError:
-        return False
-    return not _pid_alive(pid)
+def probe_mount(mnt: str, timeout: float = 5.0) -> str:
+    """"absent", "ok" (something answers), "dead" (ENOTCONN: the daemon is gone) or "hung"
+    (no answer within timeout). Asks the daemon itself with a getxattr: the kernel may answer
+    a stat from its cache for seconds after a daemon died, and a stat of a hung daemon's
+    mount never returns, so the probe runs in a thread we can stop waiting for."""
+    if layout.mount_type(mnt) is None:
+        return "absent"
+    result: list[str] = []
+
+    def ask() -> None:
+        try:
+            os.getxattr(mnt, "user.ckptfs.pid")
+            result.append("ok")
+        except OSError as e:
+            dead = (errno.ENOTCONN, errno.ECONNABORTED)
+            result.append("dead" if e.errno in dead else "ok")
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(timeout)
+    return result[0] if result else "hung"
+
+
+def _daemon_pids(mnt: str) -> list[int]:
+    """ckptfs daemons serving mnt, from /proc (for a daemon that no longer answers)."""
+    want = layout.mount_path(mnt)
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "ckptfs" in " ".join(args[:4]) and "mount" in args and "--foreground" in args \
+                and any(a and layout.mount_path(a) == want for a in args[-3:]):
+            out.append(int(name))
+    return out
 
 
 def check_mountpoint(mnt: str) -> None:
     """Clean a stale mount left by a crash; refuse a live one."""
-    if _is_stale(mnt) or _dead_ckptfs_mount(mnt):
+    state = probe_mount(mnt)
+    if state == "hung":
+        raise CliError(f"{mnt} is a mount whose daemon does not answer; "
+                       f"`ckptfs umount {mnt}` detaches it")
+    if state == "ok":
+        raise CliError(f"{mnt} is already a mount point ({layout.mount_type(mnt)})")
+    if state == "dead":
         log.warning("%s is a dead mount (ENOTCONN); cleaning it up", mnt)
         _fusermount("-uz", mnt)
         if _is_stale(mnt):
@@ -87,8 +122,8 @@ def check_mountpoint(mnt: str) -> None:
                            f"(try: fusermount3 -uz {mnt})")
     if not os.path.isdir(mnt):
         raise CliError(f"MOUNTPOINT directory {mnt} does not exist")
-    if os.path.ismount(mnt) or layout.mount_type(mnt) is not None:
-        raise CliError(f"{mnt} is already a mount point ({layout.mount_type(mnt) or 'mounted'})")
+    if os.path.ismount(mnt):
+        raise CliError(f"{mnt} is already a mount point")
 
 
 def cmd_mount(a: argparse.Namespace) -> int:
@@ -227,13 +262,26 @@ def _pid_alive(pid: int) -> bool:
 
 
 def cmd_umount(a: argparse.Namespace) -> int:
-    mnt = os.path.abspath(a.mountpoint)
-    if _is_stale(mnt) or _dead_ckptfs_mount(mnt):
+    mnt = layout.mount_path(a.mountpoint)
+    if layout.mount_type(mnt) != layout.FSTYPE:
+        raise CliError(f"{mnt} is not a ckptfs mount")
+    state = probe_mount(mnt, timeout=min(5.0, a.timeout))
+    if state == "dead":
         _fusermount("-uz", mnt)
         print(f"{mnt} was a dead mount; cleaned up")
         return 0
-    if layout.mount_type(mnt) != layout.FSTYPE:
-        raise CliError(f"{mnt} is not a ckptfs mount")
+    if state == "hung":
+        pids = _daemon_pids(mnt)
+        _fusermount("-uz", mnt)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        print(f"the daemon of {mnt} did not answer: detached the mount"
+              + (f" and killed pid {', '.join(map(str, pids))}" if pids else "")
+              + " (nothing acknowledged is lost: the next mount replays the log)")
+        return 0
     pid = _daemon_pid(mnt)
     if not a.no_drain:
         _drain_before_umount(mnt, a.timeout)

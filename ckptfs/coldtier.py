@@ -58,6 +58,12 @@ class ColdTier:
             self._kick.set()
 
     async def run(self) -> None:
+        try:
+            n = await trio.to_thread.run_sync(self.cold.clean_temp, self.d.cfg.node_id)
+            if n:
+                log.info("removed %d unfinished uploads on the cold tier", n)
+        except OSError as e:
+            log.warning("cannot clean the cold tier's unfinished uploads: %s", e)
         await self._finish_interrupted()
         while True:
             await self._kick.wait()

@@ -165,7 +165,8 @@ class Daemon:
         try:
             self.store = open_store(cfg.shared, cfg.upload_streams)
             pub = read_applied(os.path.join(cfg.nvme, PUBLISHED_DIR))
-            if pub is not None and pub[2] > 0 and not self.store.exists():
+            if pub is not None and pub[2] > 0 and isinstance(self.store, SharedStore) \
+                    and not self.store.exists():
                 raise SharedError(
                     f"{cfg.shared} holds no ckptfs store, but this NVME directory published "
                     f"to one before: is the shared filesystem mounted?")
@@ -209,6 +210,11 @@ class Daemon:
         self.seglog.seq = max(self.seglog.seq, max(mans, default=0))
         self.reader = Reader(self.seglog.path, cfg.node_id, self.store)
         self.reader.cold = self.cold
+        cold_segs = [s for s, i in self.index.iter_segments() if i.state == SegState.COLD]
+        if cold_segs and self.cold is None:
+            raise CliError(f"{cfg.nvme} has data on the cold tier "
+                           f"{ident.get('cold') or '(unknown)'}: mount with --cold "
+                           f"{ident.get('cold') or 'URL'}")
         for seg, info in self.index.iter_segments():
             if info.state in (SegState.EVICTED, SegState.COLD):
                 self.reader.evicted.add(seg)
@@ -242,6 +248,7 @@ class Daemon:
                             grace=cfg.gc_grace)
         self.gc.cold = self.cold
         self.drain.cold_url = cfg.cold
+        self.drain.cold = self.cold
         self.drain.policy = cfg.drain_policy
         self.drain.write_rate = self.seglog.write_rate
         self.drain.under_pressure = lambda: (self.cache.state != "ok"
@@ -475,7 +482,7 @@ class Daemon:
         for _seg, info in self.index.iter_segments():
             name = SegState.NAMES.get(info.state, str(info.state))
             by_state[name] = by_state.get(name, 0) + 1
-            if info.state != SegState.EVICTED:
+            if info.state not in (SegState.EVICTED, SegState.COLD):
                 local_bytes += info.size
             live += info.live
             data += info.data

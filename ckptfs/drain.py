@@ -85,6 +85,8 @@ class Drain:
                                   if i.state == SegState.DROPPED}
         self.waiters = 0
         self.cold_url = ""
+        self.cold = None  # the cold tier's store
+        self._cold_segs: set[int] = set()
         # the "yield" policy: while the application writes fast, uploads wait (the save gets
         # the machine first), unless someone waits for the drain or local space runs short
         self.policy = "yield"
@@ -273,6 +275,10 @@ class Drain:
 
     # --- the published view and its manifest ----------------------------------------------
 
+    def index_state(self, seg: int) -> int:
+        """(Thread-safe) whether seg lives on the cold tier, as far as the trio side told us."""
+        return SegState.COLD if seg in self._cold_segs else SegState.PUBLISHED
+
     def _ready_segments(self) -> list[tuple[int, int, bool]]:
         """Published segments after the published view, up to the first one that is not."""
         last = self.pub.applied[0]
@@ -280,8 +286,11 @@ class Drain:
         for seg, i in self.index.iter_segments():
             if seg <= last:
                 continue
-            if i.state not in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED):
+            if i.state not in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED,
+                               SegState.COLD):
                 break
+            if i.state == SegState.COLD:
+                self._cold_segs.add(seg)
             out.append((seg, i.size, i.state == SegState.DROPPED))
         return out
 
@@ -318,7 +327,9 @@ class Drain:
                 os.close(fd)
                 raise
         name = f"{self.node}/{fmt.segment_name(seg)}"
-        return fmt.SealedSegment(name, size, lambda o, n: self.store.read_range(
+        src = self.cold if self.cold is not None and self.index_state(seg) == SegState.COLD \
+            else self.store
+        return fmt.SealedSegment(name, size, lambda o, n: src.read_range(
             self.node, seg, o, n)), -1
 
     def _advance(self, ready: list[tuple[int, int, bool]], want_manifest: bool) -> None:
@@ -351,6 +362,7 @@ class Drain:
             log.debug("manifest deferred: %s", e)
             self.pub.commit()
             return
+        self.store.check()  # never publish into a shared filesystem that is not mounted
         self.store.put_manifest(self.node, self.published_seq, data)
         self.pub.commit()
         self.store.prune_manifests(self.node, keep=2)

@@ -189,11 +189,9 @@ def export(store: SharedStore, prefix: str, dest: str,
 def check_store(path: str) -> SharedStore:
     store = open_store(path)
     try:
-        ok = store.exists()
+        store.verify()
     except OSError as e:
         raise SharedError(f"cannot read {path}: {e}") from None
-    if not ok:
-        raise SharedError(f"{path} holds no ckptfs shared store (no {store.root})")
     return store
 
 

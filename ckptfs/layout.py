@@ -96,8 +96,15 @@ def mounts() -> list[tuple[str, str, str]]:
     return out
 
 
+def mount_path(path: str) -> str:
+    """The canonical path of a mount point without stat-ing it (a stat of a FUSE mount whose
+    daemon hangs never returns): resolve the parent, keep the last component."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
 def mount_type(mountpoint: str) -> str | None:
-    mp = os.path.realpath(mountpoint)
+    mp = mount_path(mountpoint)
     found = None
     for _src, m, t in mounts():
         if m == mp:

@@ -48,7 +48,8 @@ class Metrics:
         self.bytes_uploaded.set(st["bytes_uploaded"])
         self.bytes_pending.set(max(0, st["bytes_pending_upload"]))
         self.drain_rate.set(st["upload_rate_bytes_s"])
-        for state in ("active", "sealed", "uploading", "published", "evicted", "dropped"):
+        for state in ("active", "sealed", "uploading", "published", "evicted", "dropped",
+                      "cold"):
             self.segments.labels(state).set(st["segments"].get(state, 0))
         for op, n in st["shared_ops"].items():
             self.shared_ops.labels(op).set(n)

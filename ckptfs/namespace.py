@@ -315,7 +315,8 @@ class Namespace:
     def _chunk_alive(self, seg: int) -> bool:
         info = self.index.get_segment(seg)
         # a segment with no live data left may be on its way out (GC): never point into it
-        return info is not None and info.state != SegState.DROPPED and info.live > 0
+        return (info is not None and info.live > 0
+                and info.state not in (SegState.DROPPED, SegState.COLD))
 
     def read_plan(self, ino: int, off: int, size: int) -> tuple[list[Extent], int, bool]:
         """(extents, file size, all local?) for a read; resolves shared object names."""

@@ -122,7 +122,7 @@ class Refresher:
         newer than anything it published."""
         n = 0
         for node, m in sorted(found.items()):
-            if m.cold and node != self.node and node not in self.ns.reader.cold_by_node:
+            if m.cold and node not in self.ns.reader.cold_by_node:
                 from ckptfs.shared import open_store
 
                 try:  # where that node's cold objects are, for reads of its files
@@ -238,7 +238,10 @@ class Refresher:
             if ino.is_dir or path in present:
                 continue
             origin = self.ns.index.origin(ino.ino)
-            if origin is None or origin.get("node") != node or self.ns.opens.get(ino.ino):
+            if origin is None or origin.get("node") != node:
+                continue
+            if self.ns.opens.get(ino.ino):
+                self.deferred = True  # removed once closed: look again next refresh
                 continue
             parent, name = self._parent(path)
             try:

@@ -72,7 +72,7 @@ class S3Store:
 
     def _call(self, op: str, fn: Callable[..., Any], **kw: Any) -> Any:
         """One S3 request; failures become OSError (ENOENT for a missing key)."""
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         self._op(op)
         try:
@@ -88,6 +88,9 @@ class S3Store:
                     or status == 403:
                 raise PermissionError(errno.EACCES, msg) from None
             raise OSError(errno.EIO, msg) from None
+        except NoCredentialsError:
+            raise PermissionError(errno.EACCES, "no AWS credentials found (set "
+                                  "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)") from None
         except BotoCoreError as e:
             raise OSError(errno.EIO, f"s3 {op}: {e}") from None
 
@@ -107,31 +110,56 @@ class S3Store:
 
     # --- setup ------------------------------------------------------------------------------
 
-    def init(self) -> None:
-        """Check bucket and credentials with one clear line, create the FORMAT object."""
-        import json
-
+    def _check_bucket(self) -> None:
         try:
             self._call("head_bucket", self.client.head_bucket)
         except FileNotFoundError:
             raise SharedError(f"bucket {self.bucket!r} does not exist at "
                               f"{self.client.meta.endpoint_url}") from None
-        except PermissionError:
-            raise SharedError(f"access to bucket {self.bucket!r} denied: check "
-                              f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY") from None
+        except PermissionError as e:
+            detail = e.strerror if "credentials" in (e.strerror or "") else \
+                "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+            raise SharedError(f"access to bucket {self.bucket!r} denied: {detail}") from None
         except OSError as e:
             raise SharedError(f"cannot reach {self.client.meta.endpoint_url}: "
                               f"{e.strerror}") from None
+
+    def _read_format(self) -> dict | None:
+        import json
+
+        try:
+            body = self._call("get", self.client.get_object,
+                              Key=self._key(layout.SHARED_FORMAT_FILE))["Body"].read()
+        except FileNotFoundError:
+            return None
+        try:
+            found = json.loads(body)
+        except ValueError:
+            raise SharedError(f"{self.root}/FORMAT is unreadable") from None
+        if not isinstance(found, dict) or found.get("format") != \
+                layout.SHARED_FORMAT["format"] or found.get("version", 0) > 1:
+            raise SharedError(f"{self.root}/FORMAT: not a ckptfs shared store this version "
+                              f"can use ({found})")
+        return found
+
+    def verify(self) -> None:
+        """For readers (ls, export, fsck): the bucket answers and holds a ckptfs store."""
+        self._check_bucket()
+        if self._read_format() is None:
+            raise SharedError(f"{self.base} holds no ckptfs shared store (no {self.root})")
+
+    def init(self) -> None:
+        """Check bucket and credentials with one clear line, create the FORMAT object."""
+        import json
+
+        self._check_bucket()
         key = self._key(layout.SHARED_FORMAT_FILE)
         try:
-            found = json.loads(self._call("get", self.client.get_object, Key=key)["Body"].read())
-            if found.get("format") != layout.SHARED_FORMAT["format"]:
-                raise SharedError(f"{self.root}/FORMAT: not a ckptfs shared store")
+            if self._read_format() is None:
+                raise FileNotFoundError
         except FileNotFoundError:
             self._call("put", self.client.put_object, Key=key,
                        Body=(json.dumps(layout.SHARED_FORMAT) + "\n").encode())
-        except (ValueError, AttributeError):
-            raise SharedError(f"{self.root}/FORMAT is unreadable") from None
 
     def exists(self) -> bool:
         try:

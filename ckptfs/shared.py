@@ -115,6 +115,13 @@ class SharedStore:
     def exists(self) -> bool:
         return os.path.isdir(self.root)
 
+    def verify(self) -> None:
+        """For readers (ls, export, fsck): SHARED holds a ckptfs store."""
+        if not os.path.isdir(self.base):
+            raise SharedError(f"{self.base}: no such directory")
+        if not self.exists():
+            raise SharedError(f"{self.base} holds no ckptfs shared store (no {self.root})")
+
     def check(self) -> None:
         """Before publishing: the store's layout must still be there. A NAS that is not
         mounted any more looks like an empty directory; publishing into that would put
