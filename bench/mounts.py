@@ -75,7 +75,9 @@ def wait_for_mount(
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
-    raise TimeoutError(f"{fstype} not mounted at {mountpoint} after {timeout:.0f}s" + _log_tail(log_path))
+    raise TimeoutError(
+        f"{fstype} not mounted at {mountpoint} after {timeout:.0f}s" + _log_tail(log_path)
+    )
 
 
 def _log_tail(log_path: Path | None, n: int = 20) -> str:
@@ -94,6 +96,7 @@ def kill_process(proc: subprocess.Popen | None, grace: float = 5.0) -> None:
         return
     try:
         proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -121,7 +124,7 @@ def unmount(
     if mount_type(mountpoint) is not None:
         cmd = command or ["fusermount3", "-u", mountpoint]
         try:
-            r = subprocess.run(cmd, capture_output=True, timeout=timeout)
+            r = subprocess.run(cmd, check=False, capture_output=True, timeout=timeout)
             clean = r.returncode == 0
         except subprocess.TimeoutExpired:
             clean = False
@@ -134,7 +137,9 @@ def unmount(
             clean = False
     if mount_type(mountpoint) is not None or (proc is not None and proc.poll() is None):
         clean = False
-        subprocess.run(["fusermount3", "-uz", mountpoint], capture_output=True, timeout=10)
+        subprocess.run(
+            ["fusermount3", "-uz", mountpoint], check=False, capture_output=True, timeout=10
+        )
         kill_process(proc)
     return clean
 

@@ -29,6 +29,7 @@
 #include <limits.h>
 #include <stddef.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,7 +50,8 @@ struct options {
 	unsigned int meta_burst;
 	unsigned int bandwidth_mbps;
 	unsigned int threads;
-	int direct_io;
+	int direct_io;        /* every open file bypasses the client page cache */
+	int direct_io_writes; /* only files opened for writing do (reads keep readahead) */
 	char *stats_file;
 	int show_help;
 };
@@ -81,6 +83,7 @@ static const struct fuse_opt option_spec[] = {
 	OPT("--stats-file=%s", stats_file),
 	OPT("--stats-file %s", stats_file),
 	OPT("--direct-io", direct_io),
+	OPT("--direct-io-writes", direct_io_writes),
 	OPT("--help", show_help),
 	OPT("-h", show_help),
 	FUSE_OPT_END
@@ -108,6 +111,8 @@ static uint64_t meta_wait_ns;    /* time spent queueing on the metadata bucket *
 static uint64_t meta_latency_ns; /* time spent in the round-trip latency */
 static uint64_t bw_wait_ns;      /* time spent queueing on the bandwidth bucket */
 static uint64_t bytes_read, bytes_written;
+static uint64_t pause_wait_ns;   /* time writes spent held by SIGUSR1 (pause) */
+static volatile sig_atomic_t paused;
 
 #define INC(var, n) __atomic_fetch_add(&(var), (n), __ATOMIC_RELAXED)
 #define GET(var) __atomic_load_n(&(var), __ATOMIC_RELAXED)
@@ -175,12 +180,30 @@ static void charge_meta(void)
 	}
 }
 
+/* SIGUSR1 holds every data write until SIGUSR2: lets a benchmark build a drain backlog. */
+static void on_pause(int sig)
+{
+	paused = (sig == SIGUSR1);
+}
+
+static void hold_if_paused(void)
+{
+	if (!paused)
+		return;
+	uint64_t t0 = now_ns();
+	while (paused)
+		sleep_until(now_ns() + 1000000ull);
+	INC(pause_wait_ns, now_ns() - t0);
+}
+
 static void charge_bytes(size_t n)
 {
 	if (opt.bandwidth_mbps && n) {
 		/* bandwidth_mbps MB/s = bandwidth_mbps bytes per us */
 		uint64_t cost = (uint64_t)n * 1000ull / opt.bandwidth_mbps;
-		uint64_t burst = 4ull * 1024 * 1024 * 1000ull / opt.bandwidth_mbps; /* 4 MiB */
+		/* 16 MiB of burst: 8 clients with 1 MiB requests and a few more in flight pass
+		 * unhindered while the long-run rate stays exactly the cap */
+		uint64_t burst = 16ull * 1024 * 1024 * 1000ull / opt.bandwidth_mbps;
 		uint64_t w = bucket_take(&bw_bucket, cost, burst);
 		if (w)
 			INC(bw_wait_ns, w);
@@ -197,13 +220,15 @@ static size_t stats_json(char *buf, size_t cap)
 			  if (r > 0) n += (size_t)r; } while (0)
 	OUT("{\n  \"backing\": \"%s\",\n  \"uptime_s\": %.6f,\n", backing, up / 1e9);
 	OUT("  \"config\": {\"meta_latency_us\": %u, \"meta_ops_per_sec\": %u, \"meta_burst\": %u, "
-	    "\"bandwidth_mbps\": %u, \"threads\": %u, \"direct_io\": %d},\n",
+	    "\"bandwidth_mbps\": %u, \"threads\": %u, \"direct_io\": %d, "
+	    "\"direct_io_writes\": %d},\n",
 	    opt.meta_latency_us, opt.meta_ops_per_sec, opt.meta_burst, opt.bandwidth_mbps,
-	    opt.threads, opt.direct_io);
+	    opt.threads, opt.direct_io, opt.direct_io_writes);
 	OUT("  \"meta_ops\": %llu,\n", (unsigned long long)GET(meta_ops));
 	OUT("  \"meta_wait_s\": %.6f,\n", GET(meta_wait_ns) / 1e9);
 	OUT("  \"meta_latency_s\": %.6f,\n", GET(meta_latency_ns) / 1e9);
 	OUT("  \"bw_wait_s\": %.6f,\n", GET(bw_wait_ns) / 1e9);
+	OUT("  \"paused\": %d,\n  \"pause_wait_s\": %.6f,\n", (int)paused, GET(pause_wait_ns) / 1e9);
 	OUT("  \"bytes_read\": %llu,\n", (unsigned long long)GET(bytes_read));
 	OUT("  \"bytes_written\": %llu,\n", (unsigned long long)GET(bytes_written));
 	OUT("  \"ops\": {");
@@ -244,7 +269,7 @@ static int new_handle(struct fuse_file_info *fi, int fd)
 	}
 	h->fd = fd;
 	fi->fh = (uintptr_t)h;
-	if (opt.direct_io)
+	if (opt.direct_io || (opt.direct_io_writes && (fi->flags & O_ACCMODE) != O_RDONLY))
 		fi->direct_io = 1;
 	return 0;
 }
@@ -479,6 +504,7 @@ static int emu_write(const char *path, const char *buf, size_t size, off_t off,
 	if (h->snap)
 		return -EBADF;
 	INC(op_count[OP_WRITE], 1);
+	hold_if_paused();
 	charge_bytes(size);
 	ssize_t n = pwrite(h->fd, buf, size, off);
 	if (n == -1)
@@ -682,6 +708,8 @@ static void usage(const char *prog)
 	       " (default 2000)\n"
 	       "  --threads N            max FUSE worker threads (default 64)\n"
 	       "  --direct-io            open files with direct_io (no client page cache)\n"
+	       "  --direct-io-writes     direct_io only for files opened for writing\n"
+	       "  SIGUSR1 / SIGUSR2      hold / release all data writes (to build a backlog)\n"
 	       "  --stats-file PATH      write the counters as JSON here at unmount\n"
 	       "  counters: read MOUNTPOINT" STATS_NAME " (JSON)\n\n", prog);
 }
@@ -716,6 +744,12 @@ int main(int argc, char *argv[])
 		}
 	}
 	clock_gettime(CLOCK_MONOTONIC, &t_start);
+	struct sigaction sa;
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_pause;
+	sa.sa_flags = SA_RESTART;
+	sigaction(SIGUSR1, &sa, NULL);
+	sigaction(SIGUSR2, &sa, NULL);
 	char thr[128];
 	snprintf(thr, sizeof(thr), "-omax_threads=%u,max_idle_threads=16,fsname=nasemu,subtype=nasemu",
 		 opt.threads ? opt.threads : 64);

@@ -1,0 +1,1 @@
+"""Benchmarks for ckptfs: `python -m bench` (see bench/README.md)."""
