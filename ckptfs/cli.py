@@ -455,6 +455,29 @@ def _status_table(st: dict) -> Any:
     return t
 
 
+def _control(path: str, req: dict, timeout: float = 600) -> dict:
+    from ckptfs import control
+
+    try:
+        sock, _ = control.find_socket(path)
+        return control.request(sock, req, timeout=timeout)
+    except control.ControlError as e:
+        raise CliError(str(e)) from None
+
+
+def cmd_evict(a: argparse.Namespace) -> int:
+    r = _control(a.path, {"op": "evict", "all": a.all})
+    print(f"evicted {r['evicted']} published segments from local disk")
+    return 0
+
+
+def cmd_gc(a: argparse.Namespace) -> int:
+    r = _control(a.path, {"op": "gc", "compact": a.compact})
+    print(f"retention deleted {len(r['deleted_checkpoints'])} checkpoints; "
+          f"{r['segments_freed']} segments freed; {r['compacted_bytes']:,} bytes compacted")
+    return 0
+
+
 def cmd_wait(a: argparse.Namespace) -> int:
     from ckptfs import api
 
@@ -788,6 +811,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also wait until N nodes (default: the mount's --nodes) published "
                         "their parts of the checkpoint and its marker")
     w.set_defaults(func=cmd_wait)
+
+    ev = sub.add_parser("evict", help="drop local copies of published segments now")
+    ev.add_argument("path", metavar="MOUNTPOINT")
+    ev.add_argument("--all", action="store_true",
+                    help="every published segment (default: down to the low watermark)")
+    ev.set_defaults(func=cmd_evict)
+
+    g = sub.add_parser("gc", help="run retention and garbage collection now (no grace)")
+    g.add_argument("path", metavar="MOUNTPOINT")
+    g.add_argument("--compact", action="store_true", help="also compact mostly-dead segments")
+    g.set_defaults(func=cmd_gc)
 
     ls = sub.add_parser("ls", help="what is published on SHARED (no mount needed)")
     ls.add_argument("shared", metavar="SHARED")

@@ -284,7 +284,7 @@ class Daemon:
 
     def mount(self) -> None:
         cfg = self.cfg
-        ops = Operations(self.ns, cfg.nvme, {
+        self.ops = ops = Operations(self.ns, cfg.nvme, {
             b"user.ckptfs.control": self.control_path.encode(),
             b"user.ckptfs.pid": str(os.getpid()).encode(),
         }, on_fsync=self._fsync_seen)
@@ -305,6 +305,7 @@ class Daemon:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            self.ops.nursery = nursery
             await nursery.start(self.drain.run)
             nursery.start_soon(self.refresher.run)
             nursery.start_soon(self.cache.run, self.drain.kick)

@@ -84,6 +84,7 @@ class Drain:
         self.dropped: set[int] = {s for s, i in index.iter_segments()
                                   if i.state == SegState.DROPPED}
         self.waiters = 0
+        self._targets: list[int] = []  # log positions waiters need published
         self.cold_url = ""
         self.cold = None  # the cold tier's store
         self._cold_segs: set[int] = set()
@@ -139,11 +140,13 @@ class Drain:
         deadline = None if timeout is None else trio.current_time() + timeout
         total = None
         self.waiters += 1
+        self._targets.append(seq)
         self._kick.set()
         try:
             await self._wait_loop(seq, deadline, progress, total)
         finally:
             self.waiters -= 1
+            self._targets.remove(seq)
 
     async def _wait_loop(self, seq: int, deadline: float | None,
                          progress: Callable[[dict], Any] | None, total: int | None) -> None:
@@ -304,11 +307,15 @@ class Drain:
             # manifest_interval; not after every segment
             now = time.monotonic()
             quiet = not self._queued and self.write_rate() == 0.0
-            want = bool(self.waiters or quiet
-                        or now - self._last_manifest >= self.manifest_interval)
-            if not ready and (self.manifest_seq >= self.published_seq or not want):
+            want = bool(quiet or now - self._last_manifest >= self.manifest_interval)
+            # a waiter needs a manifest once the view covers what it waits for, not before
+            need = min(self._targets) if self._targets else None
+            if not ready and (self.manifest_seq >= self.published_seq
+                              or not (want or (need is not None
+                                               and self.published_seq >= need))):
                 continue
-            await self._retrying("publish manifest", self._advance, ready, want, pub=True)
+            await self._retrying("publish manifest", self._advance, ready, want, need,
+                                 pub=True)
             if want:
                 self._last_manifest = time.monotonic()
             ev, self._changed = self._changed, trio.Event()
@@ -332,8 +339,10 @@ class Drain:
         return fmt.SealedSegment(name, size, lambda o, n: src.read_range(
             self.node, seg, o, n)), -1
 
-    def _advance(self, ready: list[tuple[int, int, bool]], want_manifest: bool) -> None:
-        """Published-view thread: apply newly published segments, publish the manifest."""
+    def _advance(self, ready: list[tuple[int, int, bool]], want_manifest: bool,
+                 need: int | None = None) -> None:
+        """Published-view thread: apply newly published segments, publish the manifest (if
+        wanted, or if the view now covers `need`, the oldest position a waiter waits for)."""
         for seg, size, dropped in ready:
             if dropped:
                 self.dropped.add(seg)
@@ -349,6 +358,8 @@ class Drain:
             self.pub.set_segment(seg, SegState.PUBLISHED, size=size)
             self.pub.applied = (seg, size, sealed.seal_seq)
             self.published_seq = sealed.seal_seq
+        if need is not None and self.published_seq >= need:
+            want_manifest = True
         if not want_manifest or self.published_seq <= self.manifest_seq:
             return
         objects = {manifest.obj_name(self.node, s):

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import stat
+import time
 from typing import Any, Callable
 
 import pyfuse3
@@ -81,6 +82,7 @@ class Operations(pyfuse3.Operations):
         self.on_fsync = on_fsync
         self.remote_limiter = trio.CapacityLimiter(8)
         self.direct_writes = True
+        self.nursery: trio.Nursery | None = None  # the daemon's, for background work
         self.written_direct: set[int] = set()
 
     # --- lookups --------------------------------------------------------------------------
@@ -209,8 +211,6 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        import time
-
         t0 = time.monotonic()
         await self.ns.fsync()
         if self.on_fsync is not None:

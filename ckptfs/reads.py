@@ -22,7 +22,8 @@ from ckptfs.shared import SharedError
 log = logging.getLogger(__name__)
 
 HDR = fmt.RECORD_HEADER_SIZE
-REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
+REMOTE_CACHE_BYTES = 64 << 20  # whole verified records recently fetched from the shared store
+MAX_RUN = 8 << 20  # largest single read that fetches a run of adjacent records
 
 
 class RemoteSource(Protocol):
@@ -76,6 +77,10 @@ class Reader:
             fd = self._fds.pop(seg, None)
             if fd is not None:
                 os.close(fd)
+
+    def cached(self, e: Extent) -> bool:
+        with self._lock:
+            return (e.seg, e.rec_pos) in self._remote_cache
 
     def is_local(self, e: Extent) -> bool:
         return not e.seg & VSEG_BIT and e.seg not in self.evicted
@@ -182,7 +187,54 @@ class Reader:
         if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == end:
             s, t, e = pieces[0]
             return self.read_extent(e, s - e.start, t - s)
+        self._fetch_runs([e for _s, _t, e in pieces])
         buf = bytearray(end - off)  # holes read as zeros
         for s, t, e in pieces:
             buf[s - off:t - off] = self.read_extent(e, s - e.start, t - s)
         return bytes(buf)
+
+    def _fetch_runs(self, extents: list[Extent]) -> None:
+        """Records that are adjacent in one segment (a file written sequentially in small
+        writes) and not verified or cached yet are fetched with one read instead of one per
+        record, verified one by one, and left where read_extent finds them."""
+        todo = []
+        with self._lock:
+            for e in extents:
+                key = (e.seg, e.rec_pos)
+                if key not in self._verified and key not in self._remote_cache:
+                    todo.append(e)
+        todo.sort(key=lambda e: (e.seg, e.rec_pos))
+        i = 0
+        while i < len(todo):
+            run = [todo[i]]
+            while i + len(run) < len(todo):
+                nxt, last = todo[i + len(run)], run[-1]
+                if nxt.seg != last.seg or nxt.rec_pos != last.rec_pos + fmt.record_size(
+                        last.rec_len) or nxt.rec_pos + HDR + nxt.rec_len - run[0].rec_pos > \
+                        MAX_RUN:
+                    break
+                run.append(nxt)
+            i += len(run)
+            if len(run) < 2:
+                continue  # read_extent does single records
+            first, last = run[0], run[-1]
+            blob = memoryview(self._pread(first.seg, last.rec_pos + HDR + last.rec_len
+                                          - first.rec_pos, first.rec_pos))
+            local = self.is_local(first)
+            for e in run:
+                rel = e.rec_pos - first.rec_pos
+                whole = blob[rel:rel + HDR + e.rec_len]
+                if len(whole) != HDR + e.rec_len or not fmt.verify_record(whole):
+                    continue  # read_extent reads it again alone and reports it
+                with self._lock:
+                    if local:
+                        self._verified[(e.seg, e.rec_pos)] = None
+                    else:
+                        self._remote_cache[(e.seg, e.rec_pos)] = bytes(whole)
+                        self._remote_bytes += len(whole)
+            with self._lock:
+                while len(self._verified) > self.max_verified:
+                    self._verified.popitem(last=False)
+                while self._remote_bytes > REMOTE_CACHE_BYTES:
+                    _k, old = self._remote_cache.popitem(last=False)
+                    self._remote_bytes -= len(old)
