@@ -1,0 +1,51 @@
+"""The benchmark runs (a bounded smoke version) and reports every field; the NAS emulator
+passes its self-check. Speed targets live in `python -m bench`, not here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.bench
+
+
+def test_nas_emulator_selfcheck() -> None:
+    res = subprocess.run([sys.executable, "-m", "bench.selfcheck"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_bench_smoke_reports_every_field(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--no-plots",
+                          "--results-dir", str(tmp_path)], cwd=REPO, capture_output=True,
+                         text=True, timeout=540)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    [out] = [p for p in tmp_path.glob("*.json")]
+    d = json.loads(out.read_text())
+    assert not d["errors"], d["errors"]
+    for workload in ("storm", "big"):
+        targets = d["workloads"][workload]
+        assert set(targets) == {"nvme", "nas", "ckptfs"}
+        for name, t in targets.items():
+            for phase in ("save", "restore_hot", "restore_cold"):
+                assert t[phase]["seconds"] > 0 and t[phase]["bytes"] > 0, (workload, name)
+            for phase in ("restore_hot", "restore_cold"):
+                assert t[phase]["mismatch_count"] == 0, (workload, name, phase)
+        ck = targets["ckptfs"]
+        assert ck["durable_s"] > 0
+        assert ck["daemon"]["rss_peak_bytes"] > 0 and ck["daemon"]["cpu_s"] > 0
+        assert ck["replay"]["exit_code"] == 0 and ck["replay"]["bytes_per_s"] > 0
+        assert ck["status"]["shared_ops"] and ck["status"]["bytes_uploaded"] > 0
+    names = {c["name"] for c in d["checks"]}
+    for want in ("storm save", "big shards", "drain", "cold restore", "RSS", "replay"):
+        assert any(want in n for n in names), (want, names)
+    for c in d["checks"]:
+        assert c["value"] is not None, c
+    assert (tmp_path / out.name.replace(".json", ".md")).exists()
