@@ -5,7 +5,7 @@ made-up number):
     python -m ckptfs mount NVME SHARED MNT --foreground    (daemon; mounted = fuse.ckptfs at MNT)
     python -m ckptfs wait MNT/step_N                       (returns once durable on SHARED)
     python -m ckptfs status MNT --json
-    python -m ckptfs evict MNT/step_N                      (drop the local copy; optional)
+    python -m ckptfs evict MNT/step_N --all                (drop the local copies)
     python -m ckptfs umount MNT
     python -m ckptfs replay NVME --json                    (after unmount)
 """
@@ -228,7 +228,7 @@ class CkptfsMount:
         if not cli_has("evict"):
             return False, "ckptfs has no evict command"
         try:
-            r = run_cli("evict", str(path), timeout=timeout)
+            r = run_cli("evict", str(path), "--all", timeout=timeout)
         except subprocess.TimeoutExpired:
             return False, f"evict did not return within {timeout:.0f}s"
         if r.returncode != 0:
