@@ -22,8 +22,8 @@ from ckptfs.shared import SharedError
 log = logging.getLogger(__name__)
 
 HDR = fmt.RECORD_HEADER_SIZE
-REMOTE_CACHE_BYTES = 64 << 20  # whole verified records recently fetched from the shared store
-MAX_RUN = 8 << 20  # largest single read that fetches a run of adjacent records
+REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
+MAX_RUN = 4 << 20  # largest single read that fetches a run of adjacent records
 
 
 class RemoteSource(Protocol):
