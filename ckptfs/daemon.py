@@ -305,7 +305,6 @@ class Daemon:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
-            self.ops.nursery = nursery
             await nursery.start(self.drain.run)
             nursery.start_soon(self.refresher.run)
             nursery.start_soon(self.cache.run, self.drain.kick)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import trio
 
-from ckptfs import layout, manifest
+from ckptfs import manifest
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState
 from ckptfs.shared import RateLimiter, SharedStore, describe_oserror
@@ -384,11 +384,3 @@ class Drain:
     def close(self) -> None:
         self._pub_thread.submit(self.pub.close, True).result()
         self._pub_thread.shutdown()
-
-
-def wait_target(seglog: Any) -> int:
-    """The log sequence number a wait must see published: everything appended so far."""
-    return seglog.seq
-
-
-__all__ = ["Drain", "wait_target", "layout"]

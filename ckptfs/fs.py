@@ -82,7 +82,6 @@ class Operations(pyfuse3.Operations):
         self.on_fsync = on_fsync
         self.remote_limiter = trio.CapacityLimiter(8)
         self.direct_writes = True
-        self.nursery: trio.Nursery | None = None  # the daemon's, for background work
         self.written_direct: set[int] = set()
 
     # --- lookups --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import trio
 
 from ckptfs import layout
 from ckptfs import segment as fmt
-from ckptfs.index import VSEG_BIT, Index, SegState, read_applied
+from ckptfs.index import Index, SegState, read_applied
 from ckptfs.remote import fetch_manifests
 from ckptfs.shared import SharedStore
 
@@ -233,5 +233,3 @@ class Collector:
         return dict(self.stats.__dict__, pending_dead=len(self.first_dead),
                     snapshot_segment=self.snapshot_seg)
 
-
-__all__ = ["Collector", "take_snapshot", "restore_snapshot", "VSEG_BIT"]

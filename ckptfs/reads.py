@@ -78,10 +78,6 @@ class Reader:
             if fd is not None:
                 os.close(fd)
 
-    def cached(self, e: Extent) -> bool:
-        with self._lock:
-            return (e.seg, e.rec_pos) in self._remote_cache
-
     def is_local(self, e: Extent) -> bool:
         return not e.seg & VSEG_BIT and e.seg not in self.evicted
 
