@@ -494,7 +494,10 @@ class Daemon:
             "nodes_required": self.cfg.nodes_required,
             "retain": list(self.cfg.retention.retain), "markers": list(self.cfg.retention.markers),
             "uptime_s": round(time.time() - self.started, 1),
-            "bytes_written": st.data_bytes, "log_bytes": st.bytes_appended,
+            # what applications wrote (bytes the incremental drain found already written
+            # count too: they were written, just not stored twice)
+            "bytes_written": st.data_bytes + self.ns.dedup_bytes,
+            "log_bytes": st.bytes_appended,
             "records": st.records, "fsync_calls": self.fsync_count,
             "fsync_mean_ms": round(1000 * self.fsync_seconds / self.fsync_count, 3)
             if self.fsync_count else None, "log_syncs": st.sync_calls,

@@ -332,3 +332,56 @@ def test_a_really_full_nvme_loses_nothing(make_mount, tmp_path: Path) -> None:
     finally:
         m.teardown()
         subprocess.run(["umount", "-l", str(m.nvme)], check=False)
+
+
+def test_eviction_keeps_the_newest_checkpoint_while_space_allows(make_mount) -> None:
+    # watermarks high enough that the host disk's own usage does not trigger eviction
+    # 32 MiB of checkpoints against a 24M cache: evicting ~10 MB is enough, all of it step_1's
+    m = make_mount(extra_args=["--node-id", "n0", "--cache-size", "24M",
+                               "--high-watermark", "0.95", "--low-watermark", "0.9"],
+                   segment_size="2M")
+    for step in (1, 2):
+        for i in range(8):
+            write(m.mnt / f"step_{step}" / f"f{i}", os.urandom(2 << 20))
+        write(m.mnt / f"step_{step}" / ".metadata", b"m")
+        wait(m.mnt / f"step_{step}")
+    st = wait_for(lambda: (s := status(m.mnt))["cache"]["evictions"] > 0 and s, 30,
+                  "eviction above the high watermark")
+    # the older checkpoint went first: the newest one's data is still local
+    newest_local = True
+    for i in range(8):
+        before = status(m.mnt)["shared_bytes_read"]
+        (m.mnt / "step_2" / f"f{i}").read_bytes()
+        newest_local = newest_local and status(m.mnt)["shared_bytes_read"] == before
+    assert newest_local, st["cache"]
+    drop_caches()
+    before = status(m.mnt)["shared_bytes_read"]
+    for i in range(8):
+        (m.mnt / "step_1" / f"f{i}").read_bytes()
+    assert status(m.mnt)["shared_bytes_read"] > before  # step_1 came from SHARED
+
+
+def test_upload_limit_caps_the_drain(make_mount) -> None:
+    m = make_mount(extra_args=["--node-id", "n0", "--upload-limit", "10",
+                               "--drain-policy", "always"], segment_size="4M")
+    write(m.mnt / "step_1" / "big", os.urandom(24 << 20))
+    t0 = time.monotonic()
+    wait(m.mnt / "step_1", timeout=120)
+    # 24 MiB at 10 MB/s cannot take less than ~2.5 s, however fast the disk
+    assert time.monotonic() - t0 >= 2.0
+
+
+def test_deleting_a_checkpoint_costs_object_deletes_not_file_deletes(make_mount) -> None:
+    m = make_mount(extra_args=["--node-id", "n0", "--gc-grace", "0"], segment_size="2M")
+    for i in range(300):
+        write(m.mnt / "step_1" / f"__{i}.distcp", os.urandom(10_000), fsync=False)
+    wait(m.mnt / "step_1")
+    objects = len(os.listdir(m.shared / "ckptfs" / "objects" / "n0"))
+    before = status(m.mnt)["shared_ops"].get("unlink", 0)
+    import shutil
+
+    shutil.rmtree(m.mnt / "step_1")
+    wait(m.mnt)
+    req(m.mnt, op="gc")
+    unlinks = status(m.mnt)["shared_ops"].get("unlink", 0) - before
+    assert 0 < unlinks <= objects + 4, (unlinks, objects)
