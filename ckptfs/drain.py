@@ -152,7 +152,8 @@ class Drain:
                          progress: Callable[[dict], Any] | None, total: int | None) -> None:
         while self.manifest_seq < seq:
             if progress is not None:
-                pend = sum(size for _s, size in self.pending())
+                pend = max(0, sum(size for _s, size in self.pending())
+                           - sum(self.in_flight.values()))
                 total = max(total or 0, pend)
                 await progress({"done": total - pend, "total": total,
                                 "error": self.stats.last_error})
