@@ -94,6 +94,8 @@ class Operations(pyfuse3.Operations):
         for ino, n in inode_list:
             try:
                 self.ns.forget(ino, n)
+                if ino in self.written_direct and self.ns.index.get_inode(ino) is None:
+                    self.written_direct.discard(ino)  # deleted: nothing left to invalidate
             except Exception:  # forget has no reply; never let it escape
                 log.exception("forget(%d) failed", ino)
 
