@@ -24,6 +24,7 @@ import fnmatch
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RETAIN = ("step_*", "checkpoint-*", "global_step*")
 DEFAULT_MARKERS = (".metadata", "trainer_state.json", "latest")
 TOP_MARKERS = ("latest", "latest_checkpointed_iteration.txt")
+REWALK = 30.0
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Retention:
         self.deleted: list[str] = []
         self.protected: set[int] = set()  # segments of the newest checkpoint(s)
         self.cold_band: list[str] = []
+        self._shape: tuple = ()
+        self._walked = 0.0
 
     def _matches(self, name: str, globs: tuple[str, ...]) -> bool:
         return any(fnmatch.fnmatchcase(name, g) for g in globs)
@@ -92,8 +96,15 @@ class Retention:
         return out
 
     def _has_marker(self, ino: int) -> bool:
+        # literal names (the defaults) are one lookup each; only real globs scan the directory
+        literal = [g for g in self.cfg.markers if not any(ch in g for ch in "*?[")]
+        if any(self.ns.index.lookup(ino, os.fsencode(g)) is not None for g in literal):
+            return True
+        globs = tuple(g for g in self.cfg.markers if g not in literal)
+        if not globs:
+            return False
         for _c, name, _child in self.ns.index.readdir(ino, 0):
-            if self._matches(os.fsdecode(name), self.cfg.markers):
+            if self._matches(os.fsdecode(name), globs):
                 return True
         return False
 
@@ -121,6 +132,7 @@ class Retention:
         cps = self.checkpoints()
         deleted = []
         to_cold: set[int] = set()
+        band: list[Checkpoint] = []
         self.cold_band = []
         if self.cfg.keep_shared:
             complete = [c for c in cps if c.complete]
@@ -142,9 +154,16 @@ class Retention:
                 if self.cfg.cold:
                     band = [c for c in cps if c.order < hot_cutoff]
                     self.cold_band = [c.name for c in band]
-                    if band:
-                        to_cold = self._exclusive_segments(band)
         evictable: set[int] = set()
+        # walking a checkpoint's files costs O(files): only when the set of checkpoints (or
+        # their completeness) changed, or every REWALK seconds
+        shape = tuple((c.name, c.order, c.complete) for c in cps)
+        now = time.monotonic()
+        if shape == self._shape and now - self._walked < REWALK:
+            return {"deleted": deleted, "evictable": evictable, "to_cold": to_cold}
+        self._shape, self._walked = shape, now
+        if band:
+            to_cold = self._exclusive_segments(band)
         if cps:
             newest = cps[-1]
             self.protected = self._segments_of(newest.ino)
