@@ -501,7 +501,7 @@ class Daemon:
             "records": st.records, "fsync_calls": self.fsync_count,
             "fsync_mean_ms": round(1000 * self.fsync_seconds / self.fsync_count, 3)
             if self.fsync_count else None, "log_syncs": st.sync_calls,
-            "device_flushes": st.flushes,
+            "device_flushes": st.flushes, "log_unsynced_bytes": self.seglog.unsynced_bytes(),
             "seals": st.seals, "segments": by_state, "active_segment_bytes": self.seglog.tail
             if self.seglog.fd >= 0 else 0,
             "local_bytes_used": local_bytes, "local_bytes_free": du.free,

@@ -509,9 +509,6 @@ class Index:
     def put_chunk(self, digest: bytes, seg: int, pos: int, length: int) -> None:
         self.txn.put(digest, CHUNK.pack(seg, pos, length), db=self.chunks)
 
-    def drop_chunk(self, digest: bytes) -> None:
-        self.txn.delete(digest, db=self.chunks)
-
     def objref_id(self, obj: str) -> int:
         """The vseg id standing for published object "node/segid" (allocated on first use)."""
         key = obj.encode()

@@ -136,6 +136,14 @@ class SegmentLog:
             return 0.0
         return self.recent_rate
 
+    def unsynced_bytes(self) -> int:
+        """Log bytes appended but not yet flushed to the device."""
+        if self.fd < 0:
+            return 0 if not self._unsynced else -1  # a sealed segment awaits its flush
+        if self.synced[0] == self.seg_id:
+            return self.tail - self.synced[1]
+        return self.tail - fmt.SEGMENT_HEADER_SIZE
+
     def should_seal(self) -> bool:
         return self.fd >= 0 and self.tail >= self.segment_size
 

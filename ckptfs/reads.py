@@ -59,7 +59,6 @@ class Reader:
         self.max_fds = max_fds
         self.max_verified = max_verified
         self.corrupt_reads = 0
-        self.remote_bytes = 0
 
     def close(self) -> None:
         with self._lock:
@@ -124,7 +123,6 @@ class Reader:
             log.error("reading %s/%s from the shared store failed: %s", node,
                       fmt.segment_name(sid), e)
             raise FsError(errno.EIO, str(e)) from None
-        self.remote_bytes += len(data)
         return data
 
     def read_extent(self, e: Extent, rel: int, n: int) -> bytes:
@@ -161,18 +159,23 @@ class Reader:
             where = f"segment {name} record at offset {e.rec_pos}"
             log.error("checksum mismatch reading %s: returning EIO", where)
             raise CorruptData(where)
+        self._remember(e, whole)
+        return whole[start:start + n]
+
+    def _remember(self, e: Extent, whole: bytes | memoryview) -> None:
+        """A record just verified: local ones are marked, remote ones kept (bounded LRU)."""
+        key = (e.seg, e.rec_pos)
         with self._lock:
             if self.is_local(e):
                 self._verified[key] = None
                 if len(self._verified) > self.max_verified:
                     self._verified.popitem(last=False)
             else:
-                self._remote_cache[key] = whole
+                self._remote_cache[key] = bytes(whole)  # no-op for bytes
                 self._remote_bytes += len(whole)
                 while self._remote_bytes > REMOTE_CACHE_BYTES:
                     _k, old = self._remote_cache.popitem(last=False)
                     self._remote_bytes -= len(old)
-        return whole[start:start + n]
 
     def read(self, extents: list[Extent], off: int, size: int, file_size: int) -> bytes:
         end = min(off + size, file_size)
@@ -216,21 +219,9 @@ class Reader:
             first, last = run[0], run[-1]
             blob = memoryview(self._pread(first.seg, last.rec_pos + HDR + last.rec_len
                                           - first.rec_pos, first.rec_pos))
-            local = self.is_local(first)
             for e in run:
                 rel = e.rec_pos - first.rec_pos
                 whole = blob[rel:rel + HDR + e.rec_len]
                 if len(whole) != HDR + e.rec_len or not fmt.verify_record(whole):
                     continue  # read_extent reads it again alone and reports it
-                with self._lock:
-                    if local:
-                        self._verified[(e.seg, e.rec_pos)] = None
-                    else:
-                        self._remote_cache[(e.seg, e.rec_pos)] = bytes(whole)
-                        self._remote_bytes += len(whole)
-            with self._lock:
-                while len(self._verified) > self.max_verified:
-                    self._verified.popitem(last=False)
-                while self._remote_bytes > REMOTE_CACHE_BYTES:
-                    _k, old = self._remote_cache.popitem(last=False)
-                    self._remote_bytes -= len(old)
+                self._remember(e, whole)
