@@ -100,6 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-drain-test", action="store_true", help="skip the drain-with-backlog measurement"
     )
+    p.add_argument("--cold-rounds", type=int, default=2,
+                   help="alternating rounds of cold restore vs the SHARED baseline; best of each "
+                        "(2; see README: the host may cache the VM's disk)")
     p.add_argument("--no-verify", action="store_true", help="do not checksum restored bytes")
     p.add_argument("--nas-meta-latency-us", type=int, default=DEFAULT_META_LATENCY_US)
     p.add_argument("--nas-meta-ops-per-sec", type=int, default=DEFAULT_META_OPS_PER_SEC)
@@ -443,8 +446,7 @@ class Bench:
                         out["restore_hot"]["note"] = "may overlap the drain (no wait command)"
                     evicted, why = m.evict(step, a.timeout)
                     if evicted:
-                        out["restore_cold"] = self.read(step, plan, cold=True)
-                        out["restore_cold"]["how"] = "ckptfs evict, then page cache dropped"
+                        out.update(self.cold_rounds(step, plan, shared))
                     else:
                         notes.append(
                             f"no eviction in place ({why}): cold restore uses a fresh node"
@@ -471,13 +473,44 @@ class Bench:
                 out["restore_cold"] = self.cold_restore_fresh_node(
                     root, shared, extra, "step_1", plan
                 )
-            files = files_under(shared)
-            drop_caches()
-            out["shared_read_cold"] = rate(wl.read_paths(files, a.ranks, a.timeout))
-            out["shared_read_cold"]["what"] = (
-                "every file under SHARED, read through the emulated NAS"
-            )
+                out["shared_read_cold"] = self.shared_read(shared)
         rmtree(root)
+        return out
+
+    def shared_read(self, shared: Path) -> dict:
+        """The cold-restore baseline: every file under SHARED read by the ranks, page cache
+        dropped."""
+        drop_caches()
+        r = rate(wl.read_paths(files_under(shared), self.a.ranks, self.a.timeout))
+        r["what"] = "every file under SHARED, read through the emulated NAS"
+        return r
+
+    def cold_rounds(self, step: Path, plan: list, shared: Path) -> dict:
+        """Cold restore through ckptfs (evicted, page cache dropped) and its baseline, the same
+        bytes read straight from SHARED, in alternating rounds; the best of each is reported.
+
+        The guest's page cache is dropped before every read, but a VM's virtual disk may be
+        cached by the host, which no guest can drop: whichever of the two reads the bytes first
+        pays for the real disk and the other reads the host's cache. Alternating and taking the
+        best of each gives both the same chance (round 1's first read is the only one on a
+        cold host; it is kept in the JSON)."""
+        rounds: dict[str, list[dict]] = {"restore_cold": [], "shared_read_cold": []}
+        for i in range(max(1, self.a.cold_rounds)):
+            order = ("shared_read_cold", "restore_cold") if i % 2 == 0 else (
+                "restore_cold", "shared_read_cold")
+            for what in order:
+                if what == "restore_cold":
+                    r = self.read(step, plan, cold=True)
+                    r["how"] = "ckptfs evict, then page cache dropped"
+                else:
+                    r = self.shared_read(shared)
+                r["round"] = i + 1
+                rounds[what].append(r)
+        out = {}
+        for what, rs in rounds.items():
+            best = dict(max(rs, key=lambda r: r.get("gbps") or 0))
+            best["rounds_gbps"] = [r.get("gbps") for r in rs]
+            out[what] = best
         return out
 
     def drain_test(self) -> dict:

@@ -192,6 +192,9 @@ class Operations(pyfuse3.Operations):
         exts, fsize, local = self.ns.read_plan(fh, off, size)
         if local:  # page-cache speed: a thread hop would cost more than it saves
             return self.ns.reader.read(exts, off, size, fsize)
+        data = self.ns.reader.read_cached(exts, off, size, fsize)
+        if data is not None:
+            return data
         return await trio.to_thread.run_sync(self.ns.reader.read, exts, off, size, fsize,
                                              limiter=self.remote_limiter)
 

@@ -213,7 +213,7 @@ class Collector:
         moves = [(ino, e) for ino, e in self.index.iter_all_extents() if e.seg in cands]
         moved = 0
         for ino, e in moves:
-            data = await trio.to_thread.run_sync(ns.reader.read_extent, e, 0, e.length)
+            data = bytes(await trio.to_thread.run_sync(ns.reader.read_extent, e, 0, e.length))
             # the file may have changed while we read: move only what is still there
             cur = self.index.extents_in(ino, e.start, e.end)
             if len(cur) != 1 or cur[0] != e:

@@ -343,7 +343,7 @@ class Namespace:
     def read(self, ino: int, off: int, size: int) -> bytes:
         """Synchronous read (local or not): for tests and tools, not the FUSE loop."""
         exts, fsize, _local = self.read_plan(ino, off, size)
-        return self.reader.read(exts, off, size, fsize)
+        return bytes(self.reader.read(exts, off, size, fsize))
 
     async def fsync(self) -> None:
         self.ops.bump("fsync")

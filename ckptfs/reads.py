@@ -3,6 +3,13 @@
 Every record is verified against its checksum the first time a read touches it (the whole
 record is read once, then served from the page cache); a mismatch is EIO for that extent and a
 log line naming segment and offset, never wrong bytes.
+
+Records on the shared store are fetched at least REMOTE_WINDOW bytes at a time, forward from
+the record a read needs: every whole data record in that range is verified and kept in a bounded
+cache, so a file written in small writes, or files whose records interleave in one segment
+(ranks write side by side) and are restored side by side, cost one request per window, not one
+per record. A fetch in flight is waited for, not repeated; a read whose records are all in the
+cache is served without a thread hop.
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ log = logging.getLogger(__name__)
 
 HDR = fmt.RECORD_HEADER_SIZE
 REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
-MAX_RUN = 4 << 20  # largest single read that fetches a run of adjacent records
+REMOTE_WINDOW = 1 << 20  # a remote miss reads at least this much of the object, forward
+MAX_RUN = 4 << 20  # largest single local read that fetches a run of adjacent records
+
+
+class _NotCached(Exception):
+    """read_cached: a remote record it needs is not in memory."""
 
 
 class RemoteSource(Protocol):
@@ -54,8 +66,9 @@ class Reader:
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._verified: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self._remote_cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._remote_cache: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
         self._remote_bytes = 0
+        self._inflight: dict[tuple[int, int, int], threading.Event] = {}  # (seg, start, end)
         self.max_fds = max_fds
         self.max_verified = max_verified
         self.corrupt_reads = 0
@@ -125,7 +138,8 @@ class Reader:
             raise FsError(errno.EIO, str(e)) from None
         return data
 
-    def read_extent(self, e: Extent, rel: int, n: int) -> bytes:
+    def read_extent(self, e: Extent, rel: int, n: int,
+                    cached_only: bool = False) -> bytes | memoryview:
         """n bytes starting `rel` bytes into extent e.
 
         A local record is verified the first time it is read and then served by range from
@@ -145,39 +159,102 @@ class Reader:
                 if len(data) == n:
                     return data
         else:
+            return self._remote_record(e, cached_only)[start:start + n]
+        whole = self._pread(e.seg, HDR + e.rec_len, e.rec_pos)
+        if not fmt.verify_record(whole):
+            self._corrupt(e)
+        self._remember(e, whole)
+        return whole[start:start + n]
+
+    def _corrupt(self, e: Extent) -> None:
+        self.corrupt_reads += 1
+        name = (f"{self.objrefs[e.seg][0]}/{fmt.segment_name(self.objrefs[e.seg][1])}"
+                if e.seg & VSEG_BIT and e.seg in self.objrefs else fmt.segment_name(e.seg))
+        where = f"segment {name} record at offset {e.rec_pos}"
+        log.error("checksum mismatch reading %s: returning EIO", where)
+        raise CorruptData(where)
+
+    def _remote_record(self, e: Extent, cached_only: bool = False) -> memoryview:
+        """The whole verified record of a remote extent: from the cache, from a window being
+        fetched by another thread, or from a window fetched now."""
+        key = (e.seg, e.rec_pos)
+        need = HDR + e.rec_len
+        waited = False
+        while True:
             with self._lock:
                 whole = self._remote_cache.get(key)
                 if whole is not None:
                     self._remote_cache.move_to_end(key)
-            if whole is not None:
-                return whole[start:start + n]
-        whole = self._pread(e.seg, HDR + e.rec_len, e.rec_pos)
-        if not fmt.verify_record(whole):
-            self.corrupt_reads += 1
-            name = (f"{self.objrefs[e.seg][0]}/{fmt.segment_name(self.objrefs[e.seg][1])}"
-                    if e.seg & VSEG_BIT and e.seg in self.objrefs else fmt.segment_name(e.seg))
-            where = f"segment {name} record at offset {e.rec_pos}"
-            log.error("checksum mismatch reading %s: returning EIO", where)
-            raise CorruptData(where)
-        self._remember(e, whole)
-        return whole[start:start + n]
+                    return whole
+                if cached_only:
+                    raise _NotCached
+                pending = None
+                if not waited:  # once only: that window may have failed or been evicted
+                    for (seg, a, b), ev in self._inflight.items():
+                        if seg == e.seg and a <= e.rec_pos and e.rec_pos + need <= b:
+                            pending = ev
+                            break
+                if pending is None:
+                    span = (e.seg, e.rec_pos, e.rec_pos + max(REMOTE_WINDOW, need))
+                    done = self._inflight[span] = threading.Event()
+            if pending is None:
+                break
+            pending.wait()
+            waited = True
+        try:
+            whole = self._fetch_window(e, span[2] - span[1])
+        finally:
+            with self._lock:
+                del self._inflight[span]
+            done.set()
+        if whole is None:
+            self._corrupt(e)
+        return whole
+
+    def _fetch_window(self, e: Extent, length: int) -> memoryview | None:
+        """Read `length` bytes of e's object from e's record on; cache every whole data record
+        that verifies; return e's record (None if it does not verify)."""
+        data = memoryview(self._pread(e.seg, length, e.rec_pos))
+        first = None
+        p = 0
+        while p + HDR <= len(data):
+            h = fmt.decode_header(data[p:p + HDR])
+            if h is None:
+                break  # the seal table or the footer: no more records
+            rtype, rlen = h[0], h[1]
+            end = p + HDR + rlen
+            if end > len(data) or (p == 0 and rlen != e.rec_len):
+                break
+            if p == 0 or rtype == fmt.RecType.WRITE:
+                whole = data[p:end]
+                if not fmt.verify_record(whole):
+                    break  # never step over a damaged header: its length may be wrong too
+                if p == 0:
+                    first = whole
+                self._cache_remote((e.seg, e.rec_pos + p), whole)
+            p += fmt.record_size(rlen)
+        return first
+
+    def _cache_remote(self, key: tuple[int, int], whole: memoryview) -> None:
+        with self._lock:
+            if key in self._remote_cache:
+                return
+            self._remote_cache[key] = whole
+            self._remote_bytes += len(whole)
+            while self._remote_bytes > REMOTE_CACHE_BYTES:
+                _k, old = self._remote_cache.popitem(last=False)
+                self._remote_bytes -= len(old)
 
     def _remember(self, e: Extent, whole: bytes | memoryview) -> None:
-        """A record just verified: local ones are marked, remote ones kept (bounded LRU)."""
+        """A local record just verified: remember that, not its bytes (bounded LRU)."""
         key = (e.seg, e.rec_pos)
         with self._lock:
-            if self.is_local(e):
-                self._verified[key] = None
-                if len(self._verified) > self.max_verified:
-                    self._verified.popitem(last=False)
-            else:
-                self._remote_cache[key] = bytes(whole)  # no-op for bytes
-                self._remote_bytes += len(whole)
-                while self._remote_bytes > REMOTE_CACHE_BYTES:
-                    _k, old = self._remote_cache.popitem(last=False)
-                    self._remote_bytes -= len(old)
+            self._verified[key] = None
+            if len(self._verified) > self.max_verified:
+                self._verified.popitem(last=False)
 
-    def read(self, extents: list[Extent], off: int, size: int, file_size: int) -> bytes:
+    def read(self, extents: list[Extent], off: int, size: int, file_size: int,
+             cached_only: bool = False) -> bytes | bytearray | memoryview:
         end = min(off + size, file_size)
         if off >= end:
             return b""
@@ -185,22 +262,38 @@ class Reader:
         pieces = [p for p in pieces if p[0] < p[1]]
         if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == end:
             s, t, e = pieces[0]
-            return self.read_extent(e, s - e.start, t - s)
-        self._fetch_runs([e for _s, _t, e in pieces])
+            return self.read_extent(e, s - e.start, t - s, cached_only)
+        self._fetch_runs([e for _s, _t, e in pieces if self.is_local(e)])
+        at = off
+        for s, t, _e in pieces:
+            if s != at:
+                break
+            at = t
+        if at == end:  # no holes: one copy of the pieces, no zero-fill
+            return b"".join([self.read_extent(e, s - e.start, t - s, cached_only)
+                             for s, t, e in pieces])
         buf = bytearray(end - off)  # holes read as zeros
         for s, t, e in pieces:
-            buf[s - off:t - off] = self.read_extent(e, s - e.start, t - s)
-        return bytes(buf)
+            buf[s - off:t - off] = self.read_extent(e, s - e.start, t - s, cached_only)
+        return buf
+
+    def read_cached(self, extents: list[Extent], off: int, size: int,
+                    file_size: int) -> bytes | bytearray | memoryview | None:
+        """`read` if every remote record it needs is in memory already, else None: lets the
+        caller skip a thread hop for what a window fetched for a neighbour brought in."""
+        try:
+            return self.read(extents, off, size, file_size, cached_only=True)
+        except _NotCached:
+            return None
 
     def _fetch_runs(self, extents: list[Extent]) -> None:
-        """Records that are adjacent in one segment (a file written sequentially in small
-        writes) and not verified or cached yet are fetched with one read instead of one per
-        record, verified one by one, and left where read_extent finds them."""
+        """Local records that are adjacent in one segment (a file written sequentially in small
+        writes) and not verified yet are read with one read instead of one per record,
+        verified one by one and marked, so read_extent serves them by range."""
         todo = []
         with self._lock:
             for e in extents:
-                key = (e.seg, e.rec_pos)
-                if key not in self._verified and key not in self._remote_cache:
+                if (e.seg, e.rec_pos) not in self._verified:
                     todo.append(e)
         todo.sort(key=lambda e: (e.seg, e.rec_pos))
         i = 0

@@ -212,3 +212,68 @@ def test_group_commit_shares_flushes(tmp_path: Path) -> None:
     assert log.stats.sync_calls == 64
     assert log.stats.flushes <= 3, log.stats.flushes
     close(index, log)
+
+
+class _Object:
+    """A published object's bytes as the shared store would serve them; counts range reads."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.reads: list[tuple[int, int]] = []
+
+    def read_range(self, node: str, seg: int, offset: int, length: int) -> bytes:
+        self.reads.append((offset, length))
+        return self.data[offset:offset + length]
+
+
+def test_remote_reads_fetch_windows_verify_each_record_and_never_return_bad_bytes() -> None:
+    from ckptfs.errors import CorruptData
+    from ckptfs.index import Extent
+    from ckptfs.reads import REMOTE_WINDOW
+
+    # two files written side by side: their records interleave in one segment
+    size = 96 << 10
+    rng = __import__("random").Random(5)
+    payload = {(ino, k): rng.randbytes(size) for ino in (1, 2) for k in range(12)}
+    seg = bytearray(fmt.SEGMENT_HEADER_SIZE)
+    exts: dict[int, list[Extent]] = {1: [], 2: []}
+    for k in range(12):
+        for ino in (1, 2):
+            pos = len(seg)
+            for p in fmt.encode_record(RecType.WRITE, ino, k * size, 0, len(seg), payload[ino, k]):
+                seg += p
+            exts[ino].append(Extent(k * size, 7, pos, 0, size, size))
+    bad = exts[2][5]  # one of file 2's records is damaged on the store
+    flip = bad.rec_pos + fmt.RECORD_HEADER_SIZE + 1000
+    seg[flip] ^= 0x40
+    obj = _Object(bytes(seg))
+    r = Reader(lambda s: "/nonexistent", "n", obj)
+    r.forget(7)  # not on local disk: every byte comes from the "shared store"
+
+    whole1 = b"".join(payload[1, k] for k in range(12))
+    assert bytes(r.read(exts[1], 0, 12 * size, 12 * size)) == whole1
+    # one request per window, not one per record; each window starts at a record it needs
+    assert len(obj.reads) <= (len(seg) // REMOTE_WINDOW) + 2
+    assert all(n >= REMOTE_WINDOW for _o, n in obj.reads)
+    n_first = len(obj.reads)
+    # file 2's healthy records came with those windows: read from memory, no new request
+    assert bytes(r.read(exts[2][:5], 0, 5 * size, 12 * size)) == b"".join(
+        payload[2, k] for k in range(5))
+    assert len(obj.reads) == n_first
+    # the damaged one is fetched again, fails again: EIO, never the flipped bytes
+    with pytest.raises(CorruptData):
+        r.read(exts[2][5:6], 5 * size, size, 12 * size)
+    assert r.corrupt_reads == 1
+    # reads that straddle records join the pieces exactly
+    off = 3 * size - 1234
+    got = r.read(exts[1], off, 5000, 12 * size)
+    assert bytes(got) == whole1[off:off + 5000]
+    # read_cached answers only from memory, and never asks the store
+    r2 = Reader(lambda s: "/nonexistent", "n", obj)
+    r2.forget(7)
+    before = len(obj.reads)
+    assert r2.read_cached(exts[2][:1], 0, size, 12 * size) is None
+    assert len(obj.reads) == before
+    r2.read(exts[1][:1], 0, size, 12 * size)
+    assert bytes(r2.read_cached(exts[2][:1], 0, size, 12 * size)) == payload[2, 0]
+    assert len(obj.reads) == before + 1
