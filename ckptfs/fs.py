@@ -231,8 +231,15 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
-        for cookie, name, node in self.ns.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, entry(node), cookie):
+        # offsets: 1 after ".", 2 after "..", then each entry's cookie + 2
+        if start_id < 2:
+            dots = [(1, b".", fh), (2, b"..", self.ns.dir_parent.get(fh, fh))][start_id:]
+            for off, name, ino in dots:
+                # the kernel takes no lookup reference for these two
+                if not pyfuse3.readdir_reply(token, name, entry(self.ns.inode(ino)), off):
+                    return
+        for cookie, name, node in self.ns.readdir(fh, max(start_id - 2, 0)):
+            if not pyfuse3.readdir_reply(token, name, entry(node), cookie + 2):
                 return
             self.ns.lookups[node.ino] = self.ns.lookups.get(node.ino, 0) + 1
 

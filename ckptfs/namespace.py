@@ -52,6 +52,9 @@ class Namespace:
         self.log = seglog
         self.reader = reader
         self.lookups: dict[int, int] = {}  # kernel lookup counts
+        # directory -> its parent, for readdir's "..": the kernel looks a directory up (by its
+        # parent) before it can open it, so lookups, mkdir and rename keep this complete
+        self.dir_parent: dict[int, int] = {}
         self.opens: dict[int, int] = {}  # open file handles per inode
         self.ops = OpCounts()
         self.last_write_ns = 0
@@ -115,6 +118,8 @@ class Namespace:
         node = self.inode(child)
         if count:
             self.lookups[child] = self.lookups.get(child, 0) + 1
+        if node.is_dir and child != parent:
+            self.dir_parent[child] = parent
         return node
 
     def forget(self, ino: int, n: int) -> None:
@@ -123,6 +128,7 @@ class Namespace:
             self.lookups[ino] = left
             return
         self.lookups.pop(ino, None)
+        self.dir_parent.pop(ino, None)
         self._maybe_purge(ino)
 
     def _maybe_purge(self, ino: int) -> None:
@@ -177,8 +183,10 @@ class Namespace:
         # setgid directories pass the bit on to subdirectories, as on ext4
         if self._dir(parent).mode & stat.S_ISGID:
             mode |= stat.S_ISGID
-        return self.make_node(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid,
+        node = self.make_node(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid,
                               kernel=True)
+        self.dir_parent[node.ino] = parent
+        return node
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
         self.ops.bump("symlink")
@@ -238,6 +246,10 @@ class Namespace:
         if dst == src:
             return
         self.record(RecType.RENAME, 0, 0, fmt.rename_body(op, old, np_, new, flags))
+        if snode.is_dir:
+            self.dir_parent[src] = np_
+        if flags & 2 and dst is not None and dst in self.dir_parent:
+            self.dir_parent[dst] = op
         if dst is not None and not flags & 2:
             self._maybe_purge(dst)
 

@@ -76,6 +76,37 @@ def test_long_symlink_target_round_trips(mount: Mount) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_readdir_lists_dot_and_dotdot_with_their_inodes_and_pages_exactly(mount: Mount) -> None:
+    """`ls -a` sees "." and ".." (with the directory's and its parent's inode numbers, also
+    after the directory moved) and every entry of a directory too big for one readdir call
+    exactly once."""
+
+    def ls_ai(p: Path) -> dict[str, int]:
+        out = subprocess.run(["ls", "-ai1", str(p)], capture_output=True, text=True, check=True)
+        pairs = [line.split(None, 1) for line in out.stdout.splitlines()]
+        names = [n for _i, n in pairs]
+        assert len(names) == len(set(names)), "an entry was listed twice"
+        return {n: int(i) for i, n in pairs}
+
+    top = mount.mnt / "a"
+    sub = top / "b"
+    sub.mkdir(parents=True)
+    names = [f"entry-{i:04d}-{'x' * 40}" for i in range(600)]  # > one 4 KiB readdir buffer
+    for n in names:
+        (sub / n).write_bytes(b"")
+    seen = ls_ai(sub)
+    assert set(seen) == {".", ".."} | set(names)
+    assert seen["."] == os.stat(sub).st_ino
+    assert seen[".."] == os.stat(top).st_ino
+    root = ls_ai(mount.mnt)
+    assert root["."] == os.stat(mount.mnt).st_ino and ".." in root  # ".." is outside the mount
+    (mount.mnt / "c").mkdir()
+    os.rename(sub, mount.mnt / "c" / "b")
+    moved = ls_ai(mount.mnt / "c" / "b")
+    assert moved[".."] == os.stat(mount.mnt / "c").st_ino
+    assert sorted(os.listdir(mount.mnt / "c" / "b")) == sorted(names)  # Python hides the dots
+
+
 def test_deep_nesting_beyond_path_max(mount: Mount) -> None:
     """A tree whose full paths exceed PATH_MAX (4096) several times over, built and read back
     with dir_fd-relative calls and with chdir."""
