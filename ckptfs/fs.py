@@ -154,7 +154,7 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: Any) -> pyfuse3.EntryAttributes:
-        raise FsError(errno.EPERM, "hard links are not supported")
+        return entry(self.ns.link(inode, new_parent_inode, new_name))
 
     # --- files ----------------------------------------------------------------------------
 
@@ -191,7 +191,7 @@ class Operations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes:
         exts, fsize, local = self.ns.read_plan(fh, off, size)
         if local:  # page-cache speed: a thread hop would cost more than it saves
-            return self.ns.reader.read(exts, off, size, fsize)
+            return self.ns.reader.read(exts, off, size, fsize, scratch=True)
         data = self.ns.reader.read_cached(exts, off, size, fsize)
         if data is not None:
             return data

@@ -445,6 +445,8 @@ class Index:
             self.purge(rec.ino)
         elif t == RecType.IMPORT:
             self._apply_import(rec)
+        elif t == RecType.LINK:
+            self._apply_link(rec)
         elif t == RecType.TIER:
             body = json.loads(bytes(rec.payload))
             info = self.get_segment(int(body["seg"]))
@@ -553,6 +555,17 @@ class Index:
         self._touch_dir(parent, now, 1 if is_dir else 0)
         if rec.ino >= self.next_ino:
             self.next_ino = rec.ino + 1
+
+    def _apply_link(self, rec: Record) -> None:
+        parent, name = fmt.parse_link(rec.payload)
+        c = self.get_inode(rec.ino)
+        if c is None or c.is_dir or self.lookup(parent, name) is not None:
+            return  # checked before it was logged; replay of a damaged log stays harmless
+        self._link(parent, name, rec.ino, rec.seq)
+        c.nlink += 1
+        c.ctime_ns = rec.time_ns
+        self.put_inode(c)
+        self._touch_dir(parent, rec.time_ns)
 
     def _drop_link(self, child: int, now: int) -> bool:
         """One directory entry of `child` went away; True if the child was a directory."""

@@ -201,6 +201,20 @@ class Namespace:
             raise FsError(errno.EINVAL)
         return node.target
 
+    def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        """A hard link: one more name for an existing file (not a directory)."""
+        self.ops.bump("link")
+        check_name(name)
+        self._dir(parent)
+        node = self.inode(ino)
+        if node.is_dir:
+            raise FsError(errno.EPERM)
+        if self.index.lookup(parent, name) is not None:
+            raise FsError(errno.EEXIST)
+        self.record(RecType.LINK, ino, 0, fmt.link_body(parent, name))
+        self.lookups[ino] = self.lookups.get(ino, 0) + 1  # the reply is a new entry
+        return self.inode(ino)
+
     def unlink(self, parent: int, name: bytes, want_dir: bool) -> None:
         self.ops.bump("rmdir" if want_dir else "unlink")
         if len(name) > NAME_MAX:

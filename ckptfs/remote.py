@@ -223,6 +223,11 @@ class Refresher:
         if self.ns.opens.get(cur):
             self.deferred = True
             return 0  # never swap a file under an open handle; next refresh looks again
+        if local.nlink > 1:  # a hard link here: the newer version replaces this name only
+            self.ns.unlink(parent, name, want_dir=False)
+            ino = self.ns.make_node(parent, name, stat.S_IFREG | e.mode, e.uid, e.gid).ino
+            self._import(ino, node, e)
+            return 1
         self._import(cur, node, e)
         self.invalidate.append(cur)
         return 1

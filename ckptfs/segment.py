@@ -59,9 +59,11 @@ class RecType:
     RELOC = 10  # like WRITE, but moves data (compaction): changes no times, same bytes
     REF = 11  # ino, offset; payload = REF_BODY: data identical to an earlier WRITE record's
     TIER = 12  # payload = JSON {"seg": id, "tier": "cold"}: a published segment moved tiers
+    LINK = 13  # ino: a new directory entry for an existing file (hard link); payload = LinkBody
 
     NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
-             7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC", 11: "REF", 12: "TIER"}
+             7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC", 11: "REF", 12: "TIER",
+             13: "LINK"}
 
 
 DATA_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -207,6 +209,19 @@ def parse_create(p: bytes | memoryview) -> tuple[int, int, int, int, int, bytes,
     return parent, mode, uid, gid, rdev, bytes(p[o:o + nlen]), bytes(p[o + nlen:o + nlen + tlen])
 
 
+# LINK: parent u64, then the new name.
+LINK_BODY = struct.Struct("<Q")
+
+
+def link_body(parent: int, name: bytes) -> bytes:
+    return LINK_BODY.pack(parent) + name
+
+
+def parse_link(p: bytes | memoryview) -> tuple[int, bytes]:
+    (parent,) = LINK_BODY.unpack_from(p)
+    return parent, bytes(p[LINK_BODY.size:])
+
+
 def rename_body(old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int) -> bytes:
     return RENAME_BODY.pack(old_parent, new_parent, flags, len(old), len(new)) + old + new
 
@@ -277,7 +292,7 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                  read_payload_types: frozenset[int] = frozenset(
                      {RecType.CREATE, RecType.UNLINK, RecType.RENAME, RecType.SETATTR,
                       RecType.PURGE, RecType.XATTR, RecType.IMPORT, RecType.REF,
-                      RecType.TIER}),
+                      RecType.TIER, RecType.LINK}),
                  result: ScanResult | None = None,
                  table: dict[int, tuple] | None = None) -> Iterator[Record]:
     """Yield verified records from `start`. Data payloads are checksummed but not returned

@@ -132,6 +132,7 @@ def apply(side: Side, op: Op) -> Outcome:
         "fstat": lambda: stat_summary(os.fstat(fd)),
         "lseek": lambda: os.lseek(fd, a["off"], a["whence"]),
         "rename": lambda: os.rename(side.p(a["src"]), side.p(a["dst"])),
+        "link": lambda: os.link(side.p(a["src"]), side.p(a["dst"]), follow_symlinks=False),
         "unlink": lambda: os.unlink(p),
         "mkdir": lambda: os.mkdir(p, a["mode"]),
         "rmdir": lambda: os.rmdir(p),
@@ -311,6 +312,7 @@ class Gen:
             "open": 14, "close": 5, "write": 8, "pwrite": 8, "read": 5, "pread": 5,
             "ftruncate": 3, "truncate": 3, "fsync": 2, "fdatasync": 1, "fstat": 3, "lseek": 2,
             "rename": 9, "unlink": 5, "mkdir": 5, "rmdir": 3, "symlink": 3, "readlink": 2,
+            "link": 3,
             "chmod": 3, "utime": 3, "stat": 4, "listdir": 2,
         }  # fmt: skip
         name = rng.choices(list(weights), list(weights.values()))[0]
@@ -348,6 +350,11 @@ class Gen:
             return Op(name, {"path": self.path(entries, "reg"), "size": self.offset()})
         if name == "rename":
             return self.rename(entries)
+        if name == "link":  # a new name, or an existing one (EEXIST); a directory is EPERM
+            dirs = [p for p, k in entries.items() if k == "dir"]
+            dst = (rng.choice(list(entries)) if entries and rng.random() < 0.15
+                   else self.new_path(dirs))
+            return Op(name, {"src": self.path(entries), "dst": dst})
         if name == "unlink":
             live = [self.slot_path[s] for s in open_slots if s in self.slot_path]
             if live and rng.random() < 0.3:
@@ -464,6 +471,8 @@ class Differ:
             self._unpin_parent(a["path"])
         elif n in ("unlink", "rmdir"):
             self._unpin_parent(a["path"])
+        elif n == "link":
+            self._unpin_parent(a["dst"])
         elif n == "rename":
             self._unpin_parent(a["src"])
             self._unpin_parent(a["dst"])

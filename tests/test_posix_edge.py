@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from mounting import MakeMount, Mount, check_errno
+from mounting import MakeMount, Mount, check_errno, run_cli
 
 # -- names and paths ---------------------------------------------------------------------------
 
@@ -273,14 +273,41 @@ def test_concurrent_writers_to_distinct_files(mount: Mount) -> None:
 # -- unsupported or optional features: a clean answer either way -------------------------------
 
 
-def test_hard_link_is_refused_cleanly(mount: Mount) -> None:
-    (mount.mnt / "a").write_bytes(b"content")
-    with pytest.raises(OSError) as exc:
-        os.link(mount.mnt / "a", mount.mnt / "b")
-    check_errno(exc.value, errno.EPERM, errno.EOPNOTSUPP)
-    assert os.listdir(mount.mnt) == ["a"]
-    assert os.stat(mount.mnt / "a").st_nlink == 1
-    assert (mount.mnt / "a").read_bytes() == b"content"
+def test_hard_links_share_the_file_and_survive_unlink_remount_kill_and_export(
+        mount: Mount, tmp_path: Path) -> None:
+    m = mount.mnt / "t"  # a checkpoint directory: export takes one
+    (m / "d").mkdir(parents=True)
+    (m / "a").write_bytes(b"content")
+    os.link(m / "a", m / "d" / "b")
+    sa, sb = os.stat(m / "a"), os.stat(m / "d" / "b")
+    assert sa.st_ino == sb.st_ino and sa.st_nlink == sb.st_nlink == 2
+    with open(m / "d" / "b", "r+b") as f:  # a write through one name is seen through the other
+        f.write(b"CON")
+    assert (m / "a").read_bytes() == b"CONtent"
+    for src, dst, err in ((m / "d", m / "dlink", errno.EPERM), (m / "a", m / "d" / "b",
+                                                                   errno.EEXIST)):
+        with pytest.raises(OSError) as exc:
+            os.link(src, dst)
+        check_errno(exc.value, err)
+    os.link(m / "a", m / "c")
+    os.unlink(m / "a")
+    assert os.stat(m / "c").st_nlink == 2 and (m / "c").read_bytes() == b"CONtent"
+    os.rename(m / "c", m / "d" / "b")  # onto another name of the same file: nothing changes
+    assert (m / "c").exists() and os.stat(m / "d" / "b").st_nlink == 2
+    mount.remount()
+    assert os.stat(m / "c").st_nlink == 2 and (m / "d" / "b").read_bytes() == b"CONtent"
+    os.link(m / "c", m / "e")
+    mount.kill()  # the link returned to us, so it must survive a SIGKILL
+    mount.remount()
+    assert os.stat(m / "e").st_nlink == 3 and (m / "e").read_bytes() == b"CONtent"
+    assert run_cli("wait", m, "--timeout", "60", timeout=90).rc == 0
+    out = tmp_path / "out"
+    assert run_cli("export", mount.shared, "t", out).rc == 0
+    assert {p: (out / p).read_bytes() for p in ("c", "d/b", "e")} == dict.fromkeys(
+        ("c", "d/b", "e"), b"CONtent")
+    for p in ("c", "d/b", "e"):
+        os.unlink(m / p)
+    assert sorted(os.listdir(m)) == ["d"] and os.listdir(m / "d") == []
 
 
 def test_o_direct_works_with_aligned_buffers_or_is_einval(mount: Mount) -> None:
