@@ -282,6 +282,8 @@ class Reader:
             s, t, e = pieces[0]
             return self.read_extent(e, s - e.start, t - s, cached_only, scratch)
         self._fetch_runs([e for _s, _t, e in pieces if self.is_local(e)])
+        if scratch:
+            return self._assemble(pieces, off, end, cached_only)
         at = off
         for s, t, _e in pieces:
             if s != at:
@@ -303,6 +305,33 @@ class Reader:
             return self.read(extents, off, size, file_size, cached_only=True)
         except _NotCached:
             return None
+
+    def _assemble(self, pieces: list[tuple[int, int, Extent]], off: int, end: int,
+                  cached_only: bool) -> memoryview:
+        """A read of several extents, built in the scratch buffer: verified local pieces are
+        read straight into place, others copied in, holes zeroed; nothing allocated."""
+        n = end - off
+        if len(self._scratch) < n:
+            self._scratch = bytearray(max(n, 2 * len(self._scratch)))
+        out = memoryview(self._scratch)[:n]
+        at = off
+        for s, t, e in pieces:
+            if s > at:
+                out[at - off:s - off] = bytes(s - at)
+            dst = out[s - off:t - off]
+            fd = None
+            if self.is_local(e):
+                with self._lock:
+                    known = (e.seg, e.rec_pos) in self._verified
+                if known:
+                    fd = self._fd(e.seg)  # takes the lock itself
+            pos = e.rec_pos + HDR + e.skip + (s - e.start)
+            if fd is None or os.preadv(fd, [dst], pos) != t - s:
+                dst[:] = self.read_extent(e, s - e.start, t - s, cached_only)
+            at = t
+        if at < end:
+            out[at - off:] = bytes(end - at)
+        return out
 
     def _fetch_runs(self, extents: list[Extent]) -> None:
         """Local records that are adjacent in one segment (a file written sequentially in small
