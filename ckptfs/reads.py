@@ -300,9 +300,10 @@ class Reader:
     def read_cached(self, extents: list[Extent], off: int, size: int,
                     file_size: int) -> bytes | bytearray | memoryview | None:
         """`read` if every remote record it needs is in memory already, else None: lets the
-        caller skip a thread hop for what a window fetched for a neighbour brought in."""
+        trio thread skip a hop to a worker for what a window fetched for a neighbour brought
+        in. Like read(scratch=True), the result may be a view of the reused scratch buffer."""
         try:
-            return self.read(extents, off, size, file_size, cached_only=True)
+            return self.read(extents, off, size, file_size, cached_only=True, scratch=True)
         except _NotCached:
             return None
 

@@ -49,3 +49,15 @@ def test_bench_smoke_reports_every_field(tmp_path: Path) -> None:
     for c in d["checks"]:
         assert c["value"] is not None, c
     assert (tmp_path / out.name.replace(".json", ".md")).exists()
+
+
+def test_readpath_bench_runs_and_reports_both_restores() -> None:
+    res = subprocess.run([sys.executable, "-m", "bench.readpath", "--mib", "4", "--ranks", "2",
+                          "--rounds", "1"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in res.stdout.splitlines()
+            if line.startswith("| local") or line.startswith("| shared")]
+    assert [r[0].strip() for r in rows] == ["local", "shared"], res.stdout
+    for r in rows:
+        gbps, base, ratio, cpu = (float(x) for x in r[1:])
+        assert gbps > 0 and base > 0 and ratio > 0 and cpu >= 0, res.stdout
