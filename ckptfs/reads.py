@@ -146,12 +146,14 @@ class Reader:
         fd = self._fd(seg)
         if fd is None:
             return self._pread(seg, length, offset)
-        if len(self._scratch) < length:
-            self._scratch = bytearray(max(length, 2 * len(self._scratch)))  # never resized:
-            # a view of the old one may still be alive
-        view = memoryview(self._scratch)[:length]
+        view = self._scratch_view(length)
         got = os.preadv(fd, [view], offset)
         return view[:got]
+
+    def _scratch_view(self, n: int) -> memoryview:
+        if len(self._scratch) < n:  # replaced, never resized: a view of the old one may live on
+            self._scratch = bytearray(max(n, 2 * len(self._scratch)))
+        return memoryview(self._scratch)[:n]
 
     def read_extent(self, e: Extent, rel: int, n: int, cached_only: bool = False,
                     scratch: bool = False) -> bytes | memoryview:
@@ -241,7 +243,7 @@ class Reader:
             end = p + HDR + rlen
             if end > len(data) or (p == 0 and rlen != e.rec_len):
                 break
-            if p == 0 or rtype == fmt.RecType.WRITE:
+            if p == 0 or rtype in fmt.DATA_TYPES:
                 whole = data[p:end]
                 if not fmt.verify_record(whole):
                     break  # never step over a damaged header: its length may be wrong too
@@ -311,10 +313,7 @@ class Reader:
                   cached_only: bool) -> memoryview:
         """A read of several extents, built in the scratch buffer: verified local pieces are
         read straight into place, others copied in, holes zeroed; nothing allocated."""
-        n = end - off
-        if len(self._scratch) < n:
-            self._scratch = bytearray(max(n, 2 * len(self._scratch)))
-        out = memoryview(self._scratch)[:n]
+        out = self._scratch_view(end - off)
         at = off
         for s, t, e in pieces:
             if s > at:
