@@ -108,6 +108,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nas-meta-ops-per-sec", type=int, default=DEFAULT_META_OPS_PER_SEC)
     p.add_argument("--nas-bandwidth-mbps", type=int, default=DEFAULT_BANDWIDTH_MBPS)
     p.add_argument(
+        "--cluster-nodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the emulated NAS serves N nodes that checkpoint at the same moment: this node "
+        "gets 1/N of its metadata ops/s and of its bandwidth (default 1: the whole NAS)",
+    )
+    p.add_argument(
+        "--no-restore", action="store_true", help="skip the hot and cold restores (saves only)"
+    )
+    p.add_argument(
         "--nas-direct-io",
         choices=("none", "writes", "all"),
         default="writes",
@@ -143,6 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = set(a.targets) - {"nvme", "nas", "ckptfs"} | set(a.workloads) - {"storm", "big"}
     if bad:
         p.error(f"unknown target/workload: {', '.join(sorted(bad))}")
+    if a.cluster_nodes < 1:
+        p.error("--cluster-nodes must be at least 1")
     if a.storm_min_kib > a.storm_max_kib or a.storm_min_kib < 4:
         p.error("need 4 <= --storm-min-kib <= --storm-max-kib")
     return a
@@ -272,10 +285,14 @@ class Bench:
         self.errors: list[str] = []
         self.chunk = a.write_chunk_kib * KiB
         self.verify = not a.no_verify
+        # one node's share of a NAS that N nodes' checkpoints hit at once (see README)
+        share = a.cluster_nodes
         self.nas_cfg = {
             "meta_latency_us": a.nas_meta_latency_us,
-            "meta_ops_per_sec": a.nas_meta_ops_per_sec,
-            "bandwidth_mbps": a.nas_bandwidth_mbps,
+            "meta_ops_per_sec": max(1, round(a.nas_meta_ops_per_sec / share))
+            if a.nas_meta_ops_per_sec else 0,
+            "bandwidth_mbps": max(1, round(a.nas_bandwidth_mbps / share))
+            if a.nas_bandwidth_mbps else 0,
         }
         self.plans = {
             "storm": wl.storm_plan(
@@ -395,8 +412,9 @@ class Bench:
             out["save"] = rate(self.write(step, plan))
             if n is not None:
                 out["shared"] = {"checkpoint": stats_delta(pre, n.stats())}
-            out["restore_hot"] = self.read(step, plan, cold=False)
-            out["restore_cold"] = self.read(step, plan, cold=True)
+            if not self.a.no_restore:
+                out["restore_hot"] = self.read(step, plan, cold=False)
+                out["restore_cold"] = self.read(step, plan, cold=True)
         rmtree(root)
         return out
 
@@ -441,12 +459,16 @@ class Bench:
                     out["segments"], out["segments_note"] = self.segments(st)
                     if isinstance(st, dict):  # what ckptfs says about itself, next to what we count
                         out["ckptfs_reported"] = {k: st[k] for k in REPORTED if k in st}
-                    out["restore_hot"] = self.read(step, plan, cold=False)
-                    if out["durable_s"] is None:
-                        out["restore_hot"]["note"] = "may overlap the drain (no wait command)"
-                    evicted, why = m.evict(step, a.timeout)
+                    if a.no_restore:
+                        evicted, why = True, ""  # nothing to restore, no fresh node either
+                    else:
+                        out["restore_hot"] = self.read(step, plan, cold=False)
+                        if out["durable_s"] is None:
+                            out["restore_hot"]["note"] = "may overlap the drain (no wait command)"
+                        evicted, why = m.evict(step, a.timeout)
                     if evicted:
-                        out.update(self.cold_rounds(step, plan, shared))
+                        if not a.no_restore:
+                            out.update(self.cold_rounds(step, plan, shared))
                     else:
                         notes.append(
                             f"no eviction in place ({why}): cold restore uses a fresh node"
@@ -621,6 +643,7 @@ class Bench:
             "config": {
                 "ranks": a.ranks,
                 "nas": self.nas_cfg,
+                "cluster_nodes": a.cluster_nodes,
                 "write_chunk": self.chunk,
                 "ckptfs_args": a.ckptfs_args,
                 "workdir": str(self.work),

@@ -83,6 +83,10 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="MiB per rank's file")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pyspy", metavar="PREFIX",
+                    help="profile the daemon with py-spy (installed separately) during the "
+                         "restores through ckptfs: PREFIX-local.txt, PREFIX-shared.txt "
+                         "(collapsed stacks, --idle off, --gil off)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckptfs-readpath-"))
     nvme, shared, mnt = (work / n for n in ("nvme", "shared", "mnt"))
@@ -98,9 +102,19 @@ def main() -> int:
 
     def measure(name: str, paths: list[str], daemon: bool) -> None:
         _drop_caches()
+        spy = None
+        if a.pyspy and daemon:
+            spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "250",
+                                    "--format", "raw", "--nonblocking", "-o",
+                                    f"{a.pyspy}-{name.split()[0]}.txt"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
         c0 = _cpu(pid)
         dt = _parallel(_reader, _split(paths, a.ranks))
         cpu = _cpu(pid) - c0 if daemon else 0.0
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(timeout=60)
         size = sum(os.path.getsize(p) for p in paths)
         res.setdefault(name, []).append((size / dt / GB, cpu / (size / GB)))
 

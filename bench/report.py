@@ -200,7 +200,10 @@ def markdown(res: dict, checks: list[dict]) -> str:
     L.append(
         f"Machine: {res['machine']}. Emulated NAS: {cfg['nas']['meta_latency_us']} us per "
         f"metadata op, {cfg['nas']['meta_ops_per_sec']} metadata ops/s shared, "
-        f"{cfg['nas']['bandwidth_mbps']} MB/s. Ranks: {cfg['ranks']}."
+        f"{cfg['nas']['bandwidth_mbps']} MB/s"
+        + (f" (this node's share of a NAS serving {cfg['cluster_nodes']} nodes at once)"
+           if cfg.get("cluster_nodes", 1) > 1 else "")
+        + f". Ranks: {cfg['ranks']}."
     )
     src = res.get("ckptfs_source") or {}
     la0, la1 = res.get("loadavg_start"), res.get("loadavg_end")

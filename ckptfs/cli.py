@@ -143,11 +143,14 @@ def cmd_mount(a: argparse.Namespace) -> int:
         raise CliError("watermarks must satisfy 0 < --low-watermark <= --high-watermark <= 1")
     if a.upload_streams < 1:
         raise CliError("--upload-streams must be at least 1")
+    if a.publish_batch < 1:
+        raise CliError("--publish-batch must be at least 1")
     if a.segment_size < (1 << 20):
         raise CliError("--segment-size must be at least 1M")
     cfg = MountConfig(nvme=nvme, shared=shared, mountpoint=mnt, segment_size=a.segment_size,
                       seal_idle=a.seal_idle, allow_other=a.allow_other,
                       upload_streams=a.upload_streams, upload_limit=a.upload_limit,
+                      publish_batch=a.publish_batch,
                       metrics_port=a.metrics_port, refresh_interval=a.refresh_interval,
                       cache=CacheConfig(a.high_watermark, a.low_watermark, a.cache_size,
                                         a.enospc_timeout),
@@ -230,6 +233,7 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
            "--gc-grace", str(a.gc_grace), "--nodes", str(a.nodes),
            "--keep-cold", str(a.keep_cold), "--drain-policy", a.drain_policy,
            "--log-level", a.log_level, "--upload-streams", str(a.upload_streams),
+           "--publish-batch", str(a.publish_batch),
            "--upload-limit", str(a.upload_limit), "--metrics-port", str(a.metrics_port)]
     if a.node_id:
         out += ["--node-id", a.node_id]
@@ -724,6 +728,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seal-idle", type=positive_float, default=5.0,
                    help="seal a segment idle for this many seconds (default 5)")
     m.add_argument("--upload-streams", type=int, default=2, help="parallel drain streams")
+    m.add_argument("--publish-batch", type=int, default=16, metavar="N",
+                   help="publish up to N waiting segments at once as one batch directory on "
+                        "SHARED: N + 2 namespace operations instead of 2N (default 16; 1 = one "
+                        "object at a time)")
     m.add_argument("--upload-limit", type=positive_float, default=0.0,
                    help="drain bandwidth cap in MB/s (0 = none)")
     m.add_argument("--drain-policy", choices=["yield", "always"], default="yield",

@@ -47,6 +47,7 @@ class MountConfig:
     commit_interval: float = 1.0
     allow_other: bool = False
     upload_streams: int = 2
+    publish_batch: int = 16
     upload_limit: float = 0.0  # MB/s, 0 = unlimited
     metrics_port: int = 0
     refresh_interval: float = 5.0
@@ -230,7 +231,8 @@ class Daemon:
         if n:
             log.info("purged %d orphaned inodes (unlinked while open before a crash)", n)
         self.drain = Drain(cfg.nvme, cfg.node_id, self.index, self.store, self.seglog.path,
-                           self.commit_index, cfg.upload_streams, cfg.upload_limit)
+                           self.commit_index, cfg.upload_streams, cfg.upload_limit,
+                           cfg.publish_batch)
         self.cache = LocalCache(cfg.nvme, self.index, self.reader, self.seglog.path,
                                 lambda: self.seglog.tail if self.seglog.fd >= 0 else 0,
                                 cfg.cache)
@@ -512,6 +514,7 @@ class Daemon:
             - sum(self.drain.in_flight.values()),
             "upload_rate_bytes_s": round(self.drain.stats.rate()),
             "segments_uploaded": self.drain.stats.segments_uploaded,
+            "batches_published": self.drain.stats.batches,
             "manifests_published": self.drain.stats.manifests_published,
             "published_seq": self.drain.manifest_seq, "log_seq": self.seglog.seq,
             "shared_ops": dict(self.store.ops),

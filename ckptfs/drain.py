@@ -5,6 +5,11 @@ Per segment, states are recorded in the index before each step:
     SEALED --(commit UPLOADING)--> copy to SHARED as temp, fsync, rename, fsync dir
            --> PUBLISHED
 
+Segments waiting together are published together (up to `batch_max`, shared out among the
+idle upload streams): a temp directory holding one object per segment, fsync'd, renamed into
+place as `objects/<node>/b<first>-<last>/`. A storm's backlog of k segments then costs k + 2
+namespace operations on SHARED instead of 2k.
+
 A crash at any point resumes on the next mount: UPLOADING and SEALED segments are uploaded
 again (an object already complete under its final name is recognised and kept), this node's
 temp files on SHARED are removed. Object names are deterministic (node/segment id), so nothing
@@ -44,6 +49,7 @@ class DrainStats:
     bytes_uploaded: int = 0
     manifests_published: int = 0
     segments_dropped: int = 0
+    batches: int = 0  # publishes of several segments at once (a batch directory)
     upload_seconds: float = 0.0
     retries: int = 0
     last_error: str | None = None
@@ -59,13 +65,18 @@ class DrainStats:
 class Drain:
     def __init__(self, nvme: str, node: str, index: Index, store: SharedStore,
                  seg_path: Callable[[int], str], commit: Callable[[], Any],
-                 streams: int = 2, limit_mb_s: float = 0.0):
+                 streams: int = 2, limit_mb_s: float = 0.0, batch_max: int = 16):
         self.node = node
         self.index = index
         self.store = store
         self.seg_path = seg_path
         self.commit = commit  # async: commit the live index (write-ahead safe)
         self.streams = max(1, streams)
+        # queued segments are published up to batch_max at a time, as one batch directory
+        # (k + 2 namespace operations on SHARED instead of 2k); 1 = one object at a time
+        self.batch_max = max(1, batch_max)
+        self._holding = 0  # workers holding a segment, not uploading yet
+        self._busy = 0  # workers uploading
         self.limiter = RateLimiter(limit_mb_s * 1e6)
         # LMDB write transactions belong to the thread that began them: the published view
         # lives on one dedicated thread
@@ -213,69 +224,138 @@ class Drain:
     async def _worker(self, recv: trio.MemoryReceiveChannel[int]) -> None:
         async with recv:
             async for seg in recv:
-                await self._upload(seg)
-                self._queued.discard(seg)
+                self._holding += 1
+                try:
+                    while self.yielding:
+                        await trio.sleep(0.1)
+                    batch = [seg] + self._take_more(recv)
+                finally:
+                    self._holding -= 1
+                self._busy += 1
+                try:
+                    await self._upload(batch, recv)
+                finally:
+                    self._busy -= 1
+                for s in batch:
+                    self._queued.discard(s)
                 self._kick.set()
 
-    async def _upload(self, seg: int) -> None:
-        st = self.index.get_segment(seg)
-        if st is None or st.state not in (SegState.SEALED, SegState.UPLOADING):
+    def _take_more(self, recv: trio.MemoryReceiveChannel[int], have: int = 1) -> list[int]:
+        """More queued segments to publish with the `have` this worker holds, as one batch:
+        its share of the backlog among the workers not uploading, at most batch_max."""
+        idle = max(1, self.streams - self._busy)
+        backlog = recv.statistics().current_buffer_used + self._holding
+        limit = max(1, min(self.batch_max, have - 1 + -(-backlog // idle)))
+        more: list[int] = []
+        while have + len(more) < limit:
+            try:
+                more.append(recv.receive_nowait())
+            except trio.WouldBlock:
+                break
+        return more
+
+    async def _upload(self, batch: list[int],
+                      recv: trio.MemoryReceiveChannel[int] | None = None) -> None:
+        """Publish the segments of `batch` (in place: segments taken from `recv` while the
+        store fails are added to it, so a backlog built up during an outage goes out in
+        batches too)."""
+        todo: list[tuple[int, int]] = []  # (seg, size)
+        maybe_there: set[int] = set()  # an attempt may have published these before a crash
+
+        async def admit(segs: list[int]) -> None:
+            intent = False
+            for seg in segs:
+                st = self.index.get_segment(seg)
+                if st is None or st.state not in (SegState.SEALED, SegState.UPLOADING):
+                    continue
+                todo.append((seg, st.size))
+                if st.state == SegState.SEALED:
+                    self.index.set_segment(seg, SegState.UPLOADING)
+                    intent = True
+                else:
+                    maybe_there.add(seg)
+            if intent:
+                await self.commit()  # intent before the side effect
+
+        await admit(batch)
+        if not todo:
             return
-        size = st.size
-        if st.state == SegState.SEALED:
-            self.index.set_segment(seg, SegState.UPLOADING)
-            await self.commit()  # intent before the side effect
         t0 = time.monotonic()
 
-        def progress(n: int) -> None:
+        def progress(seg: int, n: int) -> None:
             self.in_flight[seg] = self.in_flight.get(seg, 0) + n
 
-        def upload() -> int:
-            self.in_flight[seg] = 0
+        def upload(items: list[tuple[int, int]]) -> int:
+            for seg, _size in items:
+                self.in_flight[seg] = 0
             self.store.check()
-            if self.store.object_ok(self.node, seg, size):
-                return 0  # published before a crash; the name is final, keep it
-            n, _h = self.store.put_object(self.node, seg, self.seg_path(seg), self.limiter,
-                                          progress)
-            if n != size:
-                raise OSError(5, f"segment {fmt.segment_name(seg)} changed size during upload")
-            return n
+            # published before a crash (the name is final): keep it
+            rest = [(seg, size) for seg, size in items
+                    if not (seg in maybe_there and self.store.object_ok(self.node, seg, size))]
+            if not rest:
+                return 0
+            sizes = self.store.put_objects(self.node, [(seg, self.seg_path(seg))
+                                                       for seg, _size in rest],
+                                           self.limiter, progress)
+            for (seg, size), n in zip(rest, sizes):
+                if n != size:
+                    raise OSError(5, f"segment {fmt.segment_name(seg)} changed size during "
+                                     "upload")
+            return sum(sizes)
 
         delay = 0.5
         while True:
             while self.yielding:
                 await trio.sleep(0.1)
-            info = self.index.get_segment(seg)
-            if info is not None and info.data > 0 and info.live == 0:
-                # superseded (checked before every attempt: a retention pass may have deleted
-                # its checkpoint while the store was failing): everything it holds is dead, so
-                # no object is made; its records stay on NVMe for replay and the view
-                self.in_flight.pop(seg, None)
-                self.index.set_segment(seg, SegState.DROPPED)
-                self.stats.segments_dropped += 1
-                log.info("dropped segment %s from the drain (%d bytes, all data superseded)",
-                         fmt.segment_name(seg), size)
+            for seg, size in list(todo):
+                info = self.index.get_segment(seg)
+                if info is not None and info.data > 0 and info.live == 0:
+                    # superseded (checked before every attempt: a retention pass may have
+                    # deleted its checkpoint while the store was failing): everything it holds
+                    # is dead, so no object is made; its records stay on NVMe for replay and
+                    # the view
+                    todo.remove((seg, size))
+                    self.in_flight.pop(seg, None)
+                    self.index.set_segment(seg, SegState.DROPPED)
+                    self.stats.segments_dropped += 1
+                    log.info("dropped segment %s from the drain (%d bytes, all data "
+                             "superseded)", fmt.segment_name(seg), size)
+            if not todo:
                 return
             try:
-                n = await trio.to_thread.run_sync(upload, limiter=self._thread_limiter)
+                n = await trio.to_thread.run_sync(upload, list(todo),
+                                                  limiter=self._thread_limiter)
                 break
             except OSError as e:
-                self._error(f"upload {fmt.segment_name(seg)}: {describe_oserror(e)}")
+                names = ", ".join(fmt.segment_name(seg) for seg, _size in todo)
+                self._error(f"upload {names}: {describe_oserror(e)}")
                 self.stats.retries += 1
+                maybe_there.update(seg for seg, _size in todo)
                 await trio.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF)
-        self.in_flight.pop(seg, None)
+                if recv is not None and len(todo) < self.batch_max:
+                    more = self._take_more(recv, have=len(todo))
+                    batch.extend(more)
+                    await admit(more)
+                    todo.sort()
         dt = time.monotonic() - t0
-        self.index.set_segment(seg, SegState.PUBLISHED)
-        self.stats.segments_uploaded += 1
+        for seg, _size in todo:
+            self.in_flight.pop(seg, None)
+            self.index.set_segment(seg, SegState.PUBLISHED)
+        self.stats.segments_uploaded += len(todo)
         self.stats.bytes_uploaded += n
         self.stats.upload_seconds += dt
         self.stats.recent.append((time.monotonic(), n))
+        if len(todo) > 1:
+            self.stats.batches += 1
         if self.stats.last_error:
             log.info("drain recovered")
             self.stats.last_error = None
-        log.info("published segment %s (%d bytes, %.2fs, %.0f MB/s)", fmt.segment_name(seg), n,
-                 dt, n / dt / 1e6 if dt > 0 else 0)
+        what = (f"segment {fmt.segment_name(todo[0][0])}" if len(todo) == 1 else
+                f"{len(todo)} segments {fmt.segment_name(todo[0][0])}.."
+                f"{fmt.segment_name(todo[-1][0])} as one batch")
+        log.info("published %s (%d bytes, %.2fs, %.0f MB/s)", what, n, dt,
+                 n / dt / 1e6 if dt > 0 else 0)
 
     # --- the published view and its manifest ----------------------------------------------
 

@@ -73,8 +73,12 @@ def make_plan(size: float, interval: float, budget: float, ranks: int, files_per
     files = ranks * files_per_rank + 1  # + the commit marker
     ops = files * 3  # create, close/write, fsync: each a round trip on a NAS
     bw = size / budget
-    segments = nodes * math.ceil(size / nodes / segment_size)
-    shared_ops = segments * 4 + nodes * 4  # create, fsync, rename, dir fsync; + manifests
+    per_node = math.ceil(size / nodes / segment_size)
+    segments = nodes * per_node
+    # a save's segments leave in batches of up to 16 (--publish-batch): create + fsync per
+    # segment, mkdir + rename + 2 directory fsyncs per batch; a manifest (4) per node
+    batches = nodes * math.ceil(per_node / 16)
+    shared_ops = segments * 2 + batches * 4 + nodes * 4
     shared_bw = size / (interval - budget) if interval > budget else float("inf")
     nas_meta = ops / nas_creates_per_s if nas_creates_per_s else None
     nas_data = size / nas_bandwidth if nas_bandwidth else None

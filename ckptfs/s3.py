@@ -227,6 +227,14 @@ class S3Store:
                 h.update(chunk)
         return size, h.hexdigest()
 
+    def put_objects(self, node: str, items: list[tuple[int, str]],
+                    limiter: RateLimiter | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> list[int]:
+        """Each object is one PUT (atomic on S3): a batch is just the objects in turn."""
+        return [self.put_object(node, seg, src, limiter,
+                                None if progress is None else lambda n, s=seg: progress(s, n))[0]
+                for seg, src in items]
+
     def object_ok(self, node: str, seg: int, size: int) -> bool:
         try:
             if self.object_size(node, seg) != size:

@@ -4,11 +4,17 @@ Layout under SHARED/ckptfs/ (docs/format.md has the byte formats):
 
     FORMAT                                   {"format": "ckptfs-shared", "version": 1}
     objects/<node>/<segment id:016x>.seg     a sealed segment, byte for byte (immutable)
+    objects/<node>/b<first:016x>-<last:016x>/<segment id:016x>.seg
+                                             segments published together (a *batch*): the
+                                             directory is written under a temporary name and
+                                             renamed into place, so k segments cost k + 2
+                                             namespace operations instead of 2k
     manifests/<node>/<pub seq:016x>.manifest  the node's published namespace (immutable)
     .tmp files                               in-flight publishes; removed on the owner's mount
 
-Everything on SHARED is written once under a temporary name, fsync'd, renamed into place and
-the directory fsync'd: a reader sees a whole object or none. Every namespace operation ckptfs
+Everything on SHARED is written once under a temporary name (a file, or a batch's directory),
+fsync'd, renamed into place and the parent directory fsync'd: a reader sees a whole object (or a
+whole batch) or none. Every namespace operation ckptfs
 issues here is counted (`ops`), because those are what a NAS charges a round trip for.
 
 Anything read from SHARED is untrusted: other machines wrote it.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import threading
 import time
 from typing import Callable, Iterator
@@ -30,6 +37,7 @@ from ckptfs import segment as fmt
 NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 OBJ_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
 MAN_RE = re.compile(r"^([0-9a-f]{16})\.manifest$")
+BATCH_RE = re.compile(r"^b([0-9a-f]{16})-([0-9a-f]{16})$")
 COPY_CHUNK = 16 << 20
 
 
@@ -77,8 +85,9 @@ class SharedStore:
         self.bytes_uploaded = 0
         self.bytes_read = 0
         self._known_dirs: set[str] = set()
-        self._read_fds: dict[str, int] = {}
+        self._read_fds: dict[tuple[str, int], int] = {}
         self._read_lock = threading.Lock()
+        self._where: dict[tuple[str, int], str] = {}  # objects found inside a batch directory
 
     def _op(self, name: str, n: int = 1) -> None:
         with self._ops_lock:
@@ -86,8 +95,39 @@ class SharedStore:
 
     # --- paths ----------------------------------------------------------------------------
 
+    def node_objects(self, node: str) -> str:
+        return os.path.join(self.root, "objects", node)
+
     def object_path(self, node: str, seg: int) -> str:
-        return os.path.join(self.root, "objects", node, fmt.segment_name(seg))
+        """Where node's object `seg` is: directly under objects/<node>/, or inside one of its
+        batch directories (found by listing, then remembered). The direct path when it is in
+        neither, so a missing object fails with ENOENT on the name a user would look for."""
+        where = self._where.get((node, seg))
+        if where is not None:
+            return where
+        name = fmt.segment_name(seg)
+        single = os.path.join(self.node_objects(node), name)
+        self._op("stat")
+        if os.path.exists(single):
+            return single
+        for first, last, dname in reversed(self._batches(node)):
+            if first <= seg <= last:
+                p = os.path.join(self.node_objects(node), dname, name)
+                self._op("stat")
+                if os.path.exists(p):
+                    self._where[(node, seg)] = p
+                    return p
+        return single
+
+    def _batches(self, node: str) -> list[tuple[int, int, str]]:
+        """(first, last, directory name) of node's published batches, by first id."""
+        self._op("listdir")
+        try:
+            names = os.listdir(self.node_objects(node))
+        except FileNotFoundError:
+            return []
+        return sorted((int(m.group(1), 16), int(m.group(2), 16), n)
+                      for n in names if (m := BATCH_RE.match(n)))
 
     def manifest_dir(self, node: str) -> str:
         return os.path.join(self.root, "manifests", node)
@@ -135,23 +175,33 @@ class SharedStore:
     def put_object(self, node: str, seg: int, src: str, limiter: RateLimiter | None = None,
                    progress: Callable[[int], None] | None = None) -> tuple[int, str]:
         """Publish local segment file `src` as node's object `seg`; returns (size, "")."""
+        sizes = self.put_objects(node, [(seg, src)], limiter,
+                                 None if progress is None else lambda _s, n: progress(n))
+        return sizes[0], ""
+
+    def put_objects(self, node: str, items: list[tuple[int, str]],
+                    limiter: RateLimiter | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> list[int]:
+        """Publish local segment files as node's objects [(seg, src), ...], all at once: one
+        object as a file (temp, fsync, rename, fsync the directory: 2 namespace operations),
+        several as a batch directory (mkdir temp, one create per object, fsync each object and
+        the directory, rename, fsync the parent: k + 2). Returns the sizes, in order."""
         try:
-            return self._put_object(node, seg, src, limiter, progress)
+            if len(items) == 1:
+                return [self._put_single(node, *items[0], limiter, progress)]
+            return self._put_batch(node, items, limiter, progress)
         except OSError:
             self._known_dirs.clear()  # the store may have lost our directories: look again
             raise
 
-    def _put_object(self, node: str, seg: int, src: str, limiter: RateLimiter | None,
-                    progress: Callable[[int], None] | None) -> tuple[int, str]:
-        dest = self.object_path(node, seg)
-        d = os.path.dirname(dest)
-        self._ensure_dir(d)
-        tmp = os.path.join(d, f".tmp.{fmt.segment_name(seg)}.{os.getpid()}")
+    def _copy_into(self, seg: int, src: str, dest: str, limiter: RateLimiter | None,
+                   progress: Callable[[int, int], None] | None) -> int:
+        """Create `dest` (must not exist), copy `src` into it, fsync it."""
         size = 0
         with open(src, "rb", buffering=0) as inp:
             total = os.fstat(inp.fileno()).st_size
             self._op("create")
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)
+            out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)
             try:
                 # the kernel copies (sendfile): no trip through Python for the bytes; every
                 # record in them is checksummed already and verified by whoever reads it
@@ -165,22 +215,58 @@ class SharedStore:
                     size += n
                     self.bytes_uploaded += n
                     if progress is not None:
-                        progress(n)
+                        progress(seg, n)
                 self._op("fsync")
                 os.fsync(out)  # the bytes must be on the store before the name is
-            except BaseException:
+            finally:
                 os.close(out)
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-            os.close(out)
+        return size
+
+    def _put_single(self, node: str, seg: int, src: str, limiter: RateLimiter | None,
+                    progress: Callable[[int, int], None] | None) -> int:
+        d = self.node_objects(node)
+        self._ensure_dir(d)
+        dest = os.path.join(d, fmt.segment_name(seg))
+        tmp = os.path.join(d, f".tmp.{fmt.segment_name(seg)}.{os.getpid()}")
+        try:
+            size = self._copy_into(seg, src, tmp, limiter, progress)
+        except BaseException:
+            _remove(tmp)
+            raise
         self._op("rename")
         os.rename(tmp, dest)
         self._op("fsync_dir")
         layout.fsync_dir(d)  # ...and the name must be durable before we call it published
-        return size, ""
+        return size
+
+    def _put_batch(self, node: str, items: list[tuple[int, str]],
+                   limiter: RateLimiter | None,
+                   progress: Callable[[int, int], None] | None) -> list[int]:
+        d = self.node_objects(node)
+        self._ensure_dir(d)
+        segs = [seg for seg, _src in items]
+        dname = f"b{min(segs):016x}-{max(segs):016x}"
+        tmp = os.path.join(d, f".tmp.{dname}.{os.getpid()}")
+        sizes = []
+        try:
+            _remove(tmp)  # a previous attempt of this process
+            self._op("mkdir")
+            os.mkdir(tmp, 0o755)
+            for seg, src in items:
+                sizes.append(self._copy_into(seg, src, os.path.join(tmp, fmt.segment_name(seg)),
+                                             limiter, progress))
+            self._op("fsync_dir")
+            layout.fsync_dir(tmp)  # the objects' names inside it
+        except BaseException:
+            _remove(tmp)
+            raise
+        self._op("rename")
+        os.rename(tmp, os.path.join(d, dname))  # fails (EEXIST/ENOTEMPTY) rather than replace
+        self._op("fsync_dir")
+        layout.fsync_dir(d)
+        for seg in segs:
+            self._where[(node, seg)] = os.path.join(d, dname, fmt.segment_name(seg))
+        return sizes
 
     def object_ok(self, node: str, seg: int, size: int) -> bool:
         """A published object of this size with a valid footer exists (crash after rename)."""
@@ -211,11 +297,21 @@ class SharedStore:
         return dest
 
     def delete_object(self, node: str, seg: int) -> None:
+        path = self.object_path(node, seg)
         self._op("unlink")
         try:
-            os.unlink(self.object_path(node, seg))
+            os.unlink(path)
         except FileNotFoundError:
             pass
+        self._where.pop((node, seg), None)
+        parent = os.path.dirname(path)
+        if parent != self.node_objects(node):  # the last object of a batch takes its directory
+            try:
+                if not os.listdir(parent):
+                    self._op("rmdir")
+                    os.rmdir(parent)
+            except OSError:
+                pass
 
     def prune_manifests(self, node: str, keep: int = 2) -> None:
         names = self.list_manifests(node)
@@ -229,14 +325,14 @@ class SharedStore:
     def clean_temp(self, node: str) -> int:
         """Remove this node's half-written temporary files left by a crash."""
         n = 0
-        for d in (os.path.join(self.root, "objects", node), self.manifest_dir(node)):
+        for d in (self.node_objects(node), self.manifest_dir(node)):
             try:
                 names = os.listdir(d)
             except FileNotFoundError:
                 continue
             for name in names:
                 if name.startswith(".tmp."):
-                    os.unlink(os.path.join(d, name))
+                    _remove(os.path.join(d, name))  # a file, or a batch's directory
                     self._op("unlink")
                     n += 1
         return n
@@ -260,12 +356,27 @@ class SharedStore:
         return sorted(int(m.group(1), 16) for n in names if (m := MAN_RE.match(n)))
 
     def list_objects(self, node: str) -> list[int]:
+        """node's object ids, those in batch directories included."""
         self._op("listdir")
+        d = self.node_objects(node)
         try:
-            names = os.listdir(os.path.join(self.root, "objects", node))
+            names = os.listdir(d)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1), 16) for n in names if (m := OBJ_RE.match(n)))
+        out = {int(m.group(1), 16) for n in names if (m := OBJ_RE.match(n))}
+        for n in names:
+            if BATCH_RE.match(n):
+                self._op("listdir")
+                try:
+                    inner = os.listdir(os.path.join(d, n))
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for name in inner:
+                    if (m := OBJ_RE.match(name)):
+                        seg = int(m.group(1), 16)
+                        out.add(seg)
+                        self._where[(node, seg)] = os.path.join(d, n, name)
+        return sorted(out)
 
     def all_object_nodes(self) -> list[str]:
         try:
@@ -280,17 +391,17 @@ class SharedStore:
             return f.read()
 
     def read_range(self, node: str, seg: int, offset: int, length: int) -> bytes:
-        path = self.object_path(node, seg)
         with self._read_lock:
-            fd = self._read_fds.get(path)
+            fd = self._read_fds.get((node, seg))
             if fd is None:
+                path = self.object_path(node, seg)
                 self._op("open")
                 fd = os.open(path, os.O_RDONLY)
                 if len(self._read_fds) > 256:
                     for old in list(self._read_fds.values()):
                         os.close(old)
                     self._read_fds.clear()
-                self._read_fds[path] = fd
+                self._read_fds[(node, seg)] = fd
         data = os.pread(fd, length, offset)
         self.bytes_read += len(data)
         return data
@@ -314,6 +425,17 @@ class SharedStore:
             for fd in self._read_fds.values():
                 os.close(fd)
             self._read_fds.clear()
+
+
+def _remove(path: str) -> None:
+    """Remove a file or a directory tree; nothing if it is not there."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def open_store(location: str, streams: int = 4) -> "SharedStore":

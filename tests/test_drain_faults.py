@@ -24,8 +24,10 @@ from test_shared_support import (
     assert_fsck_clean,
     assert_one_line_error,
     assert_tree,
+    batch_dirs,
     blob,
     cli,
+    control,
     export_files,
     ls_json,
     objects,
@@ -159,6 +161,94 @@ def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path
     assert not tree_diff(want, got), tree_diff(want, got)
     assert {e["path"] for e in ls_json(m.shared) if e["type"] == "f"} == set(expected)
     assert_fsck_clean(m.shared)
+
+
+# -- a backlog is published in batches ----------------------------------------------------------
+
+
+def test_backlog_is_published_in_batch_directories(make_mount: MakeMount,
+                                                   tmp_path: Path) -> None:
+    """Segments that waited together (here: while SHARED was away) are published together, as
+    batch directories of at most --publish-batch objects: one mkdir, one create per object and
+    one rename per batch. Everything in them reads back from a fresh node and through export;
+    a crash's half-made batch directory is removed at the next mount; GC takes a batch's
+    directory with its last object."""
+    m = start_node(make_mount, "a", "n0", extra=["--publish-batch", "4", "--gc-grace", "0"],
+                   segment_size="1M")
+    first = {"step_1/__0_0.distcp": blob("f", 300_000)}
+    write_tree(m.mnt, first)
+    wait_published(m.mnt / "step_1")
+    before = status(m)
+    files = {f"step_2/__{r}_0.distcp": blob(f"b{r}", 700_000 + 1000 * r) for r in range(16)}
+    with removed(m.shared):
+        write_tree(m.mnt, files)
+        wait_status(m, lambda s: s["last_error"] and s["segments"].get("sealed", 0)
+                    + s["segments"].get("uploading", 0) >= 8, 30,
+                    "a backlog of sealed segments while SHARED is away")
+    wait_published(m.mnt / "step_2", timeout=120)
+    st = status(m)
+    new_segs = st["segments_uploaded"] - before["segments_uploaded"]
+    assert new_segs >= 8, st
+
+    batches = batch_dirs(m.shared, "n0")
+    assert batches, f"no batch directory for a backlog of {new_segs} segments"
+    assert st["batches_published"] == len(batches), (st["batches_published"], batches)
+    in_batches = 0
+    for d in batches:
+        ids = sorted(int(p.name[:16], 16) for p in d.glob("*.seg"))
+        assert 2 <= len(ids) <= 4, f"{d.name}: {len(ids)} objects (--publish-batch 4)"
+        assert d.name == f"b{ids[0]:016x}-{ids[-1]:016x}", (d.name, ids)
+        in_batches += len(ids)
+    objs = objects(m.shared, "n0")
+    assert len(objs) == st["segments_uploaded"], (len(objs), st["segments_uploaded"])
+    singles = len(objs) - in_batches
+    # every publish is exactly one rename (object, batch or manifest); a batch costs one mkdir
+    # and one create per object
+    ops = st["shared_ops"]
+    assert ops["rename"] == singles + len(batches) + st["manifests_published"], ops
+    assert ops["create"] == len(objs) + st["manifests_published"], ops
+    assert ops["mkdir"] == len(batches) + 2, ops  # + objects/n0 and manifests/n0
+    # the backlog's objects: one create each, plus a mkdir and a rename per batch, plus a
+    # rename per object published alone (every attempt failed at the store check, before any
+    # namespace operation, while SHARED was away)
+    new_singles = singles - 1  # step_1's segment was published alone before
+    manifests_ops = 2 * (st["manifests_published"] - before["manifests_published"])
+    namespace = sum(ops.get(k, 0) - before["shared_ops"].get(k, 0)
+                    for k in ("create", "rename", "mkdir")) - manifests_ops
+    assert namespace == new_segs + 2 * len(batches) + new_singles, (
+        f"{namespace} namespace ops for {new_segs} objects, {len(batches)} batches, "
+        f"{new_singles} alone: {ops}\n{m.log_tail()}")
+    assert namespace < 1.7 * new_segs, (
+        f"{namespace} namespace ops for {new_segs} segments: not much better than one by one")
+    assert temp_files(m.shared) == [], temp_files(m.shared)
+
+    expected = {**first, **files}
+    b = start_node(make_mount, "b", "n1", shared=m.shared)
+    assert_tree(expected, b.mnt, "a fresh node reading objects from batch directories")
+    b.unmount()
+    got = export_files(m.shared, "step_2", tmp_path / "out")
+    want = {k.split("/", 1)[1]: v for k, v in files.items()}
+    assert not tree_diff(want, got), tree_diff(want, got)
+    assert_fsck_clean(m.shared)
+
+    # a batch directory half-made when the daemon died is removed by the next mount
+    half = store_root(m.shared) / "objects" / "n0" / ".tmp.bffffffffffff0000-ffffffffffff0001.1"
+    half.mkdir()
+    (half / "ffffffffffff0000.seg").write_bytes(b"x" * 1000)
+    m.unmount()
+    m.start()
+    wait_for(lambda: not half.exists(), 30, "the half-made batch directory to be removed")
+    assert_tree(expected, m.mnt, "the remount")
+
+    # GC deletes the objects of a deleted checkpoint and the directories they leave empty
+    import shutil
+
+    shutil.rmtree(m.mnt / "step_2")
+    wait_published(m.mnt)
+    control(m, {"op": "gc"})
+    wait_for(lambda: not batch_dirs(m.shared, "n0"), 30,
+             "the emptied batch directories to be removed by GC")
+    assert_tree(first, m.mnt, "the mount after GC")
 
 
 # -- SIGKILL during an upload ------------------------------------------------------------------

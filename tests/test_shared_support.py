@@ -199,8 +199,17 @@ def store_files(shared: Path) -> list[Path]:
 
 
 def objects(shared: Path, node: str) -> list[Path]:
+    """node's published objects: files in objects/<node>/ and in its batch directories."""
     d = store_root(shared) / "objects" / node
-    return sorted(p for p in d.iterdir() if p.name.endswith(".seg")) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    return sorted([*d.glob("[0-9a-f]*.seg"), *d.glob("b*-*/[0-9a-f]*.seg")],
+                  key=lambda p: p.name)
+
+
+def batch_dirs(shared: Path, node: str) -> list[Path]:
+    d = store_root(shared) / "objects" / node
+    return sorted(p for p in d.glob("b*-*") if p.is_dir()) if d.is_dir() else []
 
 
 def manifests(shared: Path, node: str) -> list[Path]:
@@ -209,7 +218,10 @@ def manifests(shared: Path, node: str) -> list[Path]:
 
 
 def temp_files(shared: Path) -> list[Path]:
-    return [p for p in iter_files(store_root(shared)) if p.name.startswith(".tmp")]
+    """Files under a temporary name, or inside a batch directory's temporary name."""
+    root = store_root(shared)
+    return [p for p in iter_files(root)
+            if any(part.startswith(".tmp") for part in p.relative_to(root).parts)]
 
 
 def encode_manifest(body: dict[str, Any]) -> bytes:

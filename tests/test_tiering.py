@@ -177,7 +177,7 @@ def test_retention_on_both_tiers_and_gc_keeps_every_live_file(make_mount) -> Non
     assert {p.split("/")[0] for p in view.entries} == {"step_4", "step_5"}
     res = run_cli("fsck", m.shared, "--deep")
     assert res.rc == 0 and "ok" in res.out, str(res)
-    objects = os.listdir(m.shared / "ckptfs" / "objects" / "n0")
+    objects = SharedStore(str(m.shared)).list_objects("n0")
     assert len(objects) < st["segments_uploaded"]
     # a full replay (from the snapshot GC took) still rebuilds the namespace
     m.unmount()
@@ -376,7 +376,7 @@ def test_deleting_a_checkpoint_costs_object_deletes_not_file_deletes(make_mount)
     for i in range(300):
         write(m.mnt / "step_1" / f"__{i}.distcp", os.urandom(10_000), fsync=False)
     wait(m.mnt / "step_1")
-    objects = len(os.listdir(m.shared / "ckptfs" / "objects" / "n0"))
+    objects = len(SharedStore(str(m.shared)).list_objects("n0"))
     before = status(m.mnt)["shared_ops"].get("unlink", 0)
     import shutil
 
