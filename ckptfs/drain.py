@@ -87,6 +87,7 @@ class Drain:
         self.published_seq = self.pub.applied[2]
         self.manifest_seq = self.published_seq
         self._changed = trio.Event()
+        self._ready = trio.Event()  # set once leftovers on SHARED are cleaned up
         self._kick = trio.Event()
         self._send, self._recv = trio.open_memory_channel[int](float("inf"))
         self._queued: set[int] = set()
@@ -132,18 +133,32 @@ class Drain:
                 if i.state in (SegState.SEALED, SegState.UPLOADING)]
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        removed = await self._retrying("clean temp files", self.store.clean_temp, self.node)
-        if removed:
-            log.info("removed %d half-written temp files on SHARED", removed)
         for seg, _size in self.pending():
             self.enqueue(seg)
         async with trio.open_nursery() as nursery:
+            # started at once: a shared store that fails now must not hold up the mount
+            # (writes land on NVMe regardless); uploads and manifests wait for _startup
+            nursery.start_soon(self._startup)
             for _ in range(self.streams):
                 nursery.start_soon(self._worker, self._recv.clone())
             nursery.start_soon(self._publisher)
             nursery.start_soon(self._yield_policy)
             self._kick.set()
             task_status.started()
+
+    async def _startup(self) -> None:
+        """Remove this node's temp files (a crash's leftovers: nothing of ours is in flight
+        yet) and create its directories, so a checkpoint's publishes start with neither."""
+        removed = await self._retrying("clean temp files", self.store.clean_temp, self.node)
+        if removed:
+            log.info("removed %d half-written temp files on SHARED", removed)
+        try:
+            await trio.to_thread.run_sync(self.store.prepare, self.node)
+        except OSError as e:  # the first upload tries again, and reports
+            log.debug("preparing this node's directories on SHARED: %s", e)
+        if self.stats.last_error and self.stats.last_error.startswith("clean temp files"):
+            self.stats.last_error = None
+        self._ready.set()
 
     async def wait_seq(self, seq: int, timeout: float | None,
                        progress: Callable[[dict], Any] | None = None) -> None:
@@ -222,6 +237,7 @@ class Drain:
         self.stats.last_error_time = time.time()
 
     async def _worker(self, recv: trio.MemoryReceiveChannel[int]) -> None:
+        await self._ready.wait()
         async with recv:
             async for seg in recv:
                 self._holding += 1
@@ -379,6 +395,7 @@ class Drain:
         return out
 
     async def _publisher(self) -> None:
+        await self._ready.wait()
         while True:
             await self._kick.wait()
             self._kick = trio.Event()

@@ -227,6 +227,9 @@ class S3Store:
                 h.update(chunk)
         return size, h.hexdigest()
 
+    def prepare(self, node: str) -> None:
+        """Nothing to create: S3 has no directories."""
+
     def put_objects(self, node: str, items: list[tuple[int, str]],
                     limiter: RateLimiter | None = None,
                     progress: Callable[[int, int], None] | None = None) -> list[int]:

@@ -142,6 +142,11 @@ class SharedStore:
             self._op("fsync_dir")
         self._known_dirs.add(d)
 
+    def prepare(self, node: str) -> None:
+        """Create node's directories now (at mount), not during its first checkpoint."""
+        self._ensure_dir(self.node_objects(node))
+        self._ensure_dir(self.manifest_dir(node))
+
     def init(self) -> None:
         """Create ckptfs's layout (idempotent); SharedError with one line if that fails."""
         from ckptfs.errors import CliError
@@ -269,7 +274,9 @@ class SharedStore:
         return sizes
 
     def object_ok(self, node: str, seg: int, size: int) -> bool:
-        """A published object of this size with a valid footer exists (crash after rename)."""
+        """A published object of this size with a valid footer exists (crash after rename).
+        Its name is made durable before True is returned: the attempt that renamed it may
+        have died before its directory fsync."""
         path = self.object_path(node, seg)
         try:
             self._op("stat")
@@ -277,7 +284,15 @@ class SharedStore:
                 return False
             with open(path, "rb") as f:
                 f.seek(size - fmt.FOOTER_SIZE)
-                return fmt.parse_footer(f.read(fmt.FOOTER_SIZE)) is not None
+                if fmt.parse_footer(f.read(fmt.FOOTER_SIZE)) is None:
+                    return False
+            d = os.path.dirname(path)
+            while True:
+                self._op("fsync_dir")
+                layout.fsync_dir(d)
+                if d == self.node_objects(node):
+                    return True
+                d = os.path.dirname(d)  # a batch directory: its rename is in the parent
         except OSError:
             return False
 

@@ -163,6 +163,42 @@ def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path
     assert_fsck_clean(m.shared)
 
 
+def test_mount_comes_up_while_the_store_refuses_its_cleanup(make_mount: MakeMount,
+                                                            tmp_path: Path) -> None:
+    """A crash left a temp object on SHARED and SHARED is read-only when the node mounts
+    again: the mount still comes up and takes writes and fsyncs (they land on NVMe), status
+    says why nothing drains, and once the store is writable the leftover is removed and
+    everything is published."""
+    m = start_node(make_mount, "a", "n0")
+    first = {"step_1/__0_0.distcp": blob("one", 400_000)}
+    write_tree(m.mnt, first)
+    wait_published(m.mnt / "step_1")
+    m.unmount()
+    leftover = store_root(m.shared) / "objects" / "n0" / ".tmp.00000000000000ff.seg.1"
+    leftover.write_bytes(b"half an upload")
+    later = {f"step_2/__{r}_0.distcp": blob(f"two{r}", 600_000 + r) for r in range(3)}
+    with read_only(m.shared):
+        t0 = time.monotonic()
+        m.start()
+        assert time.monotonic() - t0 < 30, "the mount waited for the shared store"
+        write_tree(m.mnt, later)
+        fd = os.open(m.mnt / "step_2/__0_0.distcp", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        st = wait_status(m, lambda s: s["last_error"], 15, "status to report the cleanup")
+        assert "clean temp files" in st["last_error"] and "EROFS" in st["last_error"], st
+        res = cli("wait", m.mnt / "step_2", "--timeout", "2", check=False, timeout=60)
+        assert "timed out" in assert_one_line_error(res, "wait while SHARED is read-only")
+    wait_published(m.mnt / "step_2", timeout=RECOVER_WITHIN)
+    assert not leftover.exists()
+    assert status(m)["last_error"] is None
+    got = export_files(m.shared, "step_2", tmp_path / "out")
+    assert not tree_diff({k.split("/", 1)[1]: v for k, v in later.items()}, got)
+    assert_tree({**first, **later}, m.mnt, "the mount after the store came back")
+
+
 # -- a backlog is published in batches ----------------------------------------------------------
 
 
