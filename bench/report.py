@@ -313,6 +313,15 @@ def markdown(res: dict, checks: list[dict]) -> str:
                 f"{_f(dr.get('durable_s'), 2)} s "
                 f"({_f(dr.get('gbps_to_durable'))} GB/s to durable). {dr.get('note', '')}"
             )
+            pc = dr.get("plain_copy") or {}
+            if pc.get("gbps"):
+                L.append("")
+                L.append(
+                    f"The same segment files copied to the NAS (zero latency) by 2 plain streams "
+                    f"(sendfile, fsync each; page cache dropped): {_f(pc['gbps'])} GB/s. The "
+                    f"drain reached {_f(_div(dr.get('gbps'), pc['gbps']), 2)}x of that: on one "
+                    "disk a drain reads the log back while it writes the objects."
+                )
         L.append("")
     cal = res.get("calibration") or {}
     if cal:

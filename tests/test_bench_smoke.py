@@ -43,6 +43,8 @@ def test_bench_smoke_reports_every_field(tmp_path: Path) -> None:
         assert ck["daemon"]["rss_peak_bytes"] > 0 and ck["daemon"]["cpu_s"] > 0
         assert ck["replay"]["exit_code"] == 0 and ck["replay"]["bytes_per_s"] > 0
         assert ck["status"]["shared_ops"] and ck["status"]["bytes_uploaded"] > 0
+    drain = d["drain_test"]
+    assert drain["gbps"] > 0 and drain["plain_copy"]["gbps"] > 0, drain
     names = {c["name"] for c in d["checks"]}
     for want in ("storm save", "big shards", "drain", "cold restore", "RSS", "replay"):
         assert any(want in n for n in names), (want, names)
