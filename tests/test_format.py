@@ -277,3 +277,40 @@ def test_remote_reads_fetch_windows_verify_each_record_and_never_return_bad_byte
     r2.read(exts[1][:1], 0, size, 12 * size)
     assert bytes(r2.read_cached(exts[2][:1], 0, size, 12 * size)) == payload[2, 0]
     assert len(obj.reads) == before + 1
+
+
+def test_batch_directories_with_overlapping_ranges_resolve_every_object(tmp_path: Path) -> None:
+    """Two streams publish interleaved batches (b1-4 holds 1, 3, 4; b2-5 holds 2, 5), a third
+    object goes alone: every id resolves to its own bytes, from this store object and from a
+    fresh one (another node), and deleting the last object of a batch removes its directory."""
+    from ckptfs.shared import SharedStore
+
+    src = tmp_path / "src"
+    src.mkdir()
+    content = {seg: os.urandom(1000 + seg) for seg in range(1, 7)}
+    for seg, data in content.items():
+        (src / f"{seg}.seg").write_bytes(data)
+    writer = SharedStore(str(tmp_path / "shared"))
+    writer.init()
+    assert writer.put_objects("n0", [(s, str(src / f"{s}.seg")) for s in (1, 3, 4)]) == [
+        len(content[s]) for s in (1, 3, 4)]
+    writer.put_objects("n0", [(s, str(src / f"{s}.seg")) for s in (2, 5)])
+    writer.put_objects("n0", [(6, str(src / "6.seg"))])
+    root = tmp_path / "shared" / "ckptfs" / "objects" / "n0"
+    assert sorted(p.name for p in root.iterdir()) == [
+        "0000000000000006.seg", "b0000000000000001-0000000000000004",
+        "b0000000000000002-0000000000000005"]
+    assert writer.ops["rename"] == 3 and writer.ops["create"] == 6 and writer.ops["mkdir"] == 3
+    for store in (writer, SharedStore(str(tmp_path / "shared"))):
+        for seg, data in content.items():
+            assert store.read_range("n0", seg, 0, len(data)) == data, seg
+            assert store.object_size("n0", seg) == len(data)
+        assert store.list_objects("n0") == [1, 2, 3, 4, 5, 6]
+    reader = SharedStore(str(tmp_path / "shared"))
+    for seg in (2, 5):
+        reader.delete_object("n0", seg)
+    assert not (root / "b0000000000000002-0000000000000005").exists()
+    assert reader.list_objects("n0") == [1, 3, 4, 6]
+    reader.delete_object("n0", 3)
+    assert (root / "b0000000000000001-0000000000000004").is_dir()
+    assert SharedStore(str(tmp_path / "shared")).read_range("n0", 4, 0, 10) == content[4][:10]
