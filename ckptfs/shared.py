@@ -321,11 +321,10 @@ class SharedStore:
         self._where.pop((node, seg), None)
         parent = os.path.dirname(path)
         if parent != self.node_objects(node):  # the last object of a batch takes its directory
+            self._op("rmdir")
             try:
-                if not os.listdir(parent):
-                    self._op("rmdir")
-                    os.rmdir(parent)
-            except OSError:
+                os.rmdir(parent)
+            except OSError:  # ENOTEMPTY: other objects of the batch are still live
                 pass
 
     def prune_manifests(self, node: str, keep: int = 2) -> None:

@@ -108,6 +108,14 @@ def full(shared: Path) -> Iterator[str]:
 FAULTS = {"read-only": read_only, "removed": removed, "full": full}
 
 
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path,
                                           fault: str) -> None:
@@ -122,11 +130,7 @@ def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path
     with FAULTS[fault](m.shared) as why:
         # training writes keep landing on NVMe, fsync included
         write_tree(m.mnt, during)
-        fd = os.open(m.mnt / "step_2/__0_0.distcp", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(m.mnt / "step_2/__0_0.distcp")
         t0 = time.monotonic()
         res = cli("wait", m.mnt / "step_2", "--timeout", "3", check=False, timeout=60)
         took = time.monotonic() - t0
@@ -182,11 +186,7 @@ def test_mount_comes_up_while_the_store_refuses_its_cleanup(make_mount: MakeMoun
         m.start()
         assert time.monotonic() - t0 < 30, "the mount waited for the shared store"
         write_tree(m.mnt, later)
-        fd = os.open(m.mnt / "step_2/__0_0.distcp", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(m.mnt / "step_2/__0_0.distcp")
         st = wait_status(m, lambda s: s["last_error"], 15, "status to report the cleanup")
         assert "clean temp files" in st["last_error"] and "EROFS" in st["last_error"], st
         res = cli("wait", m.mnt / "step_2", "--timeout", "2", check=False, timeout=60)
@@ -302,9 +302,7 @@ def kill_during_upload(m: Mount, expected: dict[str, bytes]) -> None:
     """Write `expected`, SIGKILL the daemon once a temp object is half-written."""
     write_tree(m.mnt, expected)
     for rel in expected:
-        fd = os.open(m.mnt / rel, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        fsync_path(m.mnt / rel)
     wait_for(lambda: partial_temp(m.shared), 30, "a half-written temp object on SHARED",
              interval=0.01)
     m.kill()
