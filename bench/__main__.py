@@ -459,20 +459,18 @@ class Bench:
                     out["segments"], out["segments_note"] = self.segments(st)
                     if isinstance(st, dict):  # what ckptfs says about itself, next to what we count
                         out["ckptfs_reported"] = {k: st[k] for k in REPORTED if k in st}
-                    if a.no_restore:
-                        evicted, why = True, ""  # nothing to restore, no fresh node either
-                    else:
+                    evicted = True  # with --no-restore: no restore, no fresh node either
+                    if not a.no_restore:
                         out["restore_hot"] = self.read(step, plan, cold=False)
                         if out["durable_s"] is None:
                             out["restore_hot"]["note"] = "may overlap the drain (no wait command)"
                         evicted, why = m.evict(step, a.timeout)
-                    if evicted:
-                        if not a.no_restore:
+                        if evicted:
                             out.update(self.cold_rounds(step, plan, shared))
-                    else:
-                        notes.append(
-                            f"no eviction in place ({why}): cold restore uses a fresh node"
-                        )
+                        else:
+                            notes.append(
+                                f"no eviction in place ({why}): cold restore uses a fresh node"
+                            )
                     log("    unmounting (ckptfs umount drains first)")
                     m.close()  # timed; the with-block's exit is then a no-op
             finally:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from ckptfs import __version__, layout
 from ckptfs.errors import CliError
+from ckptfs.shared import PUBLISH_BATCH
 
 log = logging.getLogger("ckptfs")
 
@@ -646,7 +647,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
                            plan.parse_seconds(a.budget), a.ranks, a.files_per_rank, a.nodes,
                            plan.parse_bytes(a.segment_size), a.keep_local, a.keep_shared,
                            a.nas_creates, plan.parse_bytes(a.nas_bandwidth)
-                           if a.nas_bandwidth else None)
+                           if a.nas_bandwidth else None, a.publish_batch)
     except ValueError as e:
         raise CliError(str(e)) from None
     if a.json:
@@ -728,10 +729,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seal-idle", type=positive_float, default=5.0,
                    help="seal a segment idle for this many seconds (default 5)")
     m.add_argument("--upload-streams", type=int, default=2, help="parallel drain streams")
-    m.add_argument("--publish-batch", type=int, default=16, metavar="N",
+    m.add_argument("--publish-batch", type=int, default=PUBLISH_BATCH, metavar="N",
                    help="publish up to N waiting segments at once as one batch directory on "
-                        "SHARED: N + 2 namespace operations instead of 2N (default 16; 1 = one "
-                        "object at a time)")
+                        f"SHARED: N + 2 namespace operations instead of 2N (default "
+                        f"{PUBLISH_BATCH}; 1 = one object at a time)")
     m.add_argument("--upload-limit", type=positive_float, default=0.0,
                    help="drain bandwidth cap in MB/s (0 = none)")
     m.add_argument("--drain-policy", choices=["yield", "always"], default="yield",
@@ -871,6 +872,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--keep-shared", type=int, default=5)
     pl.add_argument("--nas-creates", type=float, help="NAS creates/s (from `ckptfs probe`)")
     pl.add_argument("--nas-bandwidth", help="NAS write bandwidth, e.g. 2GB/s")
+    pl.add_argument("--publish-batch", type=int, default=PUBLISH_BATCH, metavar="N",
+                    help=f"the mount's --publish-batch (default {PUBLISH_BATCH})")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

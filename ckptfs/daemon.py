@@ -27,7 +27,7 @@ from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.drain import PUBLISHED_DIR
 from ckptfs.index import ROOT_INO, Index, IndexCommitError, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
-from ckptfs.shared import SharedError, SharedStore, check_node_id, open_store
+from ckptfs.shared import PUBLISH_BATCH, SharedError, SharedStore, check_node_id, open_store
 from ckptfs.log import SegmentLog
 from ckptfs.namespace import Namespace
 from ckptfs.reads import Reader
@@ -47,7 +47,7 @@ class MountConfig:
     commit_interval: float = 1.0
     allow_other: bool = False
     upload_streams: int = 2
-    publish_batch: int = 16
+    publish_batch: int = PUBLISH_BATCH
     upload_limit: float = 0.0  # MB/s, 0 = unlimited
     metrics_port: int = 0
     refresh_interval: float = 5.0

@@ -35,7 +35,7 @@ import trio
 from ckptfs import manifest
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState
-from ckptfs.shared import RateLimiter, SharedStore, describe_oserror
+from ckptfs.shared import PUBLISH_BATCH, RateLimiter, SharedStore, describe_oserror
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class DrainStats:
 class Drain:
     def __init__(self, nvme: str, node: str, index: Index, store: SharedStore,
                  seg_path: Callable[[int], str], commit: Callable[[], Any],
-                 streams: int = 2, limit_mb_s: float = 0.0, batch_max: int = 16):
+                 streams: int = 2, limit_mb_s: float = 0.0, batch_max: int = PUBLISH_BATCH):
         self.node = node
         self.index = index
         self.store = store

@@ -16,6 +16,8 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
+from ckptfs.shared import PUBLISH_BATCH
+
 UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
          "ki": 1024, "mi": 1024 ** 2, "gi": 1024 ** 3, "ti": 1024 ** 4}
 
@@ -62,11 +64,19 @@ class Plan:
     verdict: str
 
 
+def publish_ops(k: int) -> int:
+    """Metadata operations on SHARED to publish k segments at once: create and fsync each,
+    then a rename and a directory fsync (a batch directory adds its mkdir and its own fsync)."""
+    return 0 if k == 0 else 2 * k + (2 if k == 1 else 4)
+
+
 def make_plan(size: float, interval: float, budget: float, ranks: int, files_per_rank: int,
               nodes: int = 1, segment_size: float = 256 * 2 ** 20, keep_local: int = 2,
               keep_shared: int = 5, nas_creates_per_s: float | None = None,
-              nas_bandwidth: float | None = None) -> Plan:
-    if min(size, interval, budget) <= 0 or ranks < 1 or files_per_rank < 1 or nodes < 1:
+              nas_bandwidth: float | None = None,
+              publish_batch: int = PUBLISH_BATCH) -> Plan:
+    if min(size, interval, budget) <= 0 or ranks < 1 or files_per_rank < 1 or nodes < 1 \
+            or publish_batch < 1:
         raise ValueError("sizes, times and counts must be positive")
     if budget > interval:
         raise ValueError("the save budget cannot exceed the checkpoint interval")
@@ -75,10 +85,10 @@ def make_plan(size: float, interval: float, budget: float, ranks: int, files_per
     bw = size / budget
     per_node = math.ceil(size / nodes / segment_size)
     segments = nodes * per_node
-    # a save's segments leave in batches of up to 16 (--publish-batch): create + fsync per
-    # segment, mkdir + rename + 2 directory fsyncs per batch; a manifest (4) per node
-    batches = nodes * math.ceil(per_node / 16)
-    shared_ops = segments * 2 + batches * 4 + nodes * 4
+    # a node's segments leave in batches of up to publish_batch, then its manifest (create,
+    # fsync, rename, directory fsync)
+    full, rest = divmod(per_node, publish_batch)
+    shared_ops = nodes * (full * publish_ops(publish_batch) + publish_ops(rest) + 4)
     shared_bw = size / (interval - budget) if interval > budget else float("inf")
     nas_meta = ops / nas_creates_per_s if nas_creates_per_s else None
     nas_data = size / nas_bandwidth if nas_bandwidth else None
@@ -93,7 +103,7 @@ def make_plan(size: float, interval: float, budget: float, ranks: int, files_per
                        "lengthen the interval or use incremental checkpoints")
     verdict.append(f"with ckptfs each node needs {bw / nodes / 1e9:.2f} GB/s of local NVMe "
                    f"write bandwidth and room for {keep_local + 1} checkpoints; the shared "
-                   f"store sees ~{shared_ops} namespace operations per checkpoint instead of "
+                   f"store sees ~{shared_ops} metadata operations per checkpoint instead of "
                    f"{ops}")
     return Plan(size, interval, budget, ranks, files_per_rank, nodes, bw, bw * 2.5, files, ops,
                 ops / budget, nas_meta, nas_data, bw / nodes, segments, shared_ops, shared_bw,

@@ -39,6 +39,7 @@ OBJ_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
 MAN_RE = re.compile(r"^([0-9a-f]{16})\.manifest$")
 BATCH_RE = re.compile(r"^b([0-9a-f]{16})-([0-9a-f]{16})$")
 COPY_CHUNK = 16 << 20
+PUBLISH_BATCH = 16  # default --publish-batch: segments per batch directory
 
 
 class SharedError(Exception):
