@@ -322,6 +322,12 @@ class Daemon:
             await nursery.start(control.serve, self)
             nursery.start_soon(self._tune_read_ahead)
             await pyfuse3.main()
+            pending = self.drain.pending()
+            if pending:
+                log.info("unmounted with %d segments (%d bytes) not yet on SHARED: they stay "
+                         "in NVME and are published after the next mount", len(pending),
+                         sum(size for _s, size in pending))
+            self.drain.stop_uploads()
             nursery.cancel_scope.cancel()
 
     async def _tune_read_ahead(self) -> None:

@@ -194,7 +194,19 @@ class Drain:
 
     # --- uploading --------------------------------------------------------------------------
 
+    def stop_uploads(self) -> None:
+        """The daemon is exiting: uploads in flight give up at their next chunk instead of
+        holding the exit until they finish (or forever, if they were paused for writers)."""
+        self.limiter.stop.set()
+        self.limiter.hold.clear()
+
     async def _yield_policy(self) -> None:
+        try:
+            await self._yield_loop()
+        finally:  # never leave uploads paused behind us
+            self.limiter.hold.clear()
+
+    async def _yield_loop(self) -> None:
         since = 0.0
         while True:
             await trio.sleep(0.1)
@@ -343,6 +355,8 @@ class Drain:
                                                   limiter=self._thread_limiter)
                 break
             except OSError as e:
+                if self.limiter.stop.is_set():
+                    await trio.sleep_forever()  # stopping: cancelled right here, no retry
                 names = ", ".join(fmt.segment_name(seg) for seg, _size in todo)
                 self._error(f"upload {names}: {describe_oserror(e)}")
                 self.stats.retries += 1

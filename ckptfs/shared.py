@@ -52,27 +52,35 @@ def check_node_id(node: str) -> str:
     return node
 
 
+class UploadStopped(OSError):
+    """The daemon is stopping: an upload gives up between two chunks (what it wrote is a
+    temp file or directory, removed at the next mount; the segment stays on NVMe)."""
+
+
 class RateLimiter:
-    """A token bucket in bytes/s shared by all upload streams (0 = unlimited)."""
+    """A token bucket in bytes/s shared by all upload streams (0 = unlimited), which also
+    pauses uploads (`hold`) and stops them (`stop`) between two chunks."""
 
     def __init__(self, bytes_per_s: float):
         self.rate = bytes_per_s
         self.lock = threading.Lock()
         self.next_free = time.monotonic()
         self.hold = threading.Event()  # set: uploads pause between chunks (writers go first)
+        self.stop = threading.Event()  # set: uploads give up (the daemon is exiting)
 
     def take(self, n: int) -> None:
-        while self.hold.is_set():
-            time.sleep(0.05)
-        if self.rate <= 0:
-            return
-        with self.lock:
-            now = time.monotonic()
-            start = max(now, self.next_free)
-            self.next_free = start + n / self.rate
-            delay = start - now
-        if delay > 0:
-            time.sleep(delay)
+        while self.hold.is_set() and not self.stop.wait(0.05):
+            pass
+        if self.rate > 0:
+            with self.lock:
+                now = time.monotonic()
+                start = max(now, self.next_free)
+                self.next_free = start + n / self.rate
+                delay = start - now
+            if delay > 0:
+                self.stop.wait(delay)
+        if self.stop.is_set():
+            raise UploadStopped(errno.ECANCELED, "the daemon is stopping")
 
 
 class SharedStore:

@@ -347,6 +347,28 @@ def test_sigkill_during_upload_then_remount_publishes_once(make_mount: MakeMount
     check_after_kill(m, tmp_path, expected)
 
 
+def test_unmount_during_an_upload_exits_at_once_and_publishes_after_the_next_mount(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """An unmount while a slow upload is in flight (`ckptfs umount --no-drain`, a service
+    stop): the daemon exits within seconds instead of finishing the upload first (at 1 MB/s
+    that would be 16 s per segment); what was not published stays on NVMe, and the next mount
+    publishes it once."""
+    m = start_node(make_mount, "a", "n0", extra=["--upload-limit", "1"], segment_size="16M")
+    expected = {"ck/big.bin": blob("u", 24 << 20),
+                **{f"ck/small{i}": blob(f"u{i}", 10_000 * i + 1) for i in range(10)}}
+    write_tree(m.mnt, expected)
+    for rel in expected:
+        fsync_path(m.mnt / rel)
+    wait_for(lambda: partial_temp(m.shared), 30, "an upload in flight", interval=0.01)
+    t0 = time.monotonic()
+    m.unmount(timeout=10)
+    assert time.monotonic() - t0 < 10
+    assert "not yet on SHARED" in m.log_tail(), m.log_tail()
+    without_upload_limit(m)
+    m.start()
+    check_after_kill(m, tmp_path, expected)
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_of_the_drain(make_mount: MakeMount, tmp_path: Path) -> None:
     rng = random.Random(int(os.environ.get("CKPTFS_DRAIN_KILL_SEED", "1")))
