@@ -110,7 +110,8 @@ class Drain:
         self.yielding = False
         self.yield_seconds = 0.0
         self.manifest_interval = 30.0
-        self._last_manifest = 0.0
+        # when the published view first got ahead of the last manifest (None: it is not)
+        self._unmanifested_since: float | None = None
 
     # --- entry points -------------------------------------------------------------------
 
@@ -415,11 +416,15 @@ class Drain:
             self._kick = trio.Event()
             ready = self._ready_segments()
             # a manifest is O(files) to build and 3 namespace operations on SHARED: make one
-            # when someone waits, when the writers paused (queue drained, log idle), or every
-            # manifest_interval; not after every segment
+            # when someone waits, when the drain and the writers are idle (nothing queued or
+            # uploading, log idle), or once published data has waited manifest_interval for
+            # one; not after every segment, nor at a checkpoint's first batch
             now = time.monotonic()
-            quiet = not self._queued and self.write_rate() == 0.0
-            want = bool(quiet or now - self._last_manifest >= self.manifest_interval)
+            if ready and self._unmanifested_since is None:
+                self._unmanifested_since = now
+            quiet = not self._queued and not self.in_flight and self.write_rate() == 0.0
+            since = self._unmanifested_since
+            want = bool(quiet or (since is not None and now - since >= self.manifest_interval))
             # a waiter needs a manifest once the view covers what it waits for, not before
             need = min(self._targets) if self._targets else None
             if not ready and (self.manifest_seq >= self.published_seq
@@ -428,8 +433,8 @@ class Drain:
                 continue
             await self._retrying("publish manifest", self._advance, ready, want, need,
                                  pub=True)
-            if want:
-                self._last_manifest = time.monotonic()
+            if self.manifest_seq >= self.published_seq:
+                self._unmanifested_since = None
             ev, self._changed = self._changed, trio.Event()
             ev.set()
             if self.manifest_seq < self.published_seq:

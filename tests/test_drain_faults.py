@@ -287,6 +287,25 @@ def test_backlog_is_published_in_batch_directories(make_mount: MakeMount,
     assert_tree(first, m.mnt, "the mount after GC")
 
 
+def test_a_checkpoint_published_in_several_batches_costs_one_manifest(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """A manifest is a create, a rename and an unlink on SHARED: one per checkpoint, written
+    once its last batch is published, not one at its first batch too (which every checkpoint
+    after a pause longer than the manifest interval used to get)."""
+    m = start_node(make_mount, "a", "n0", extra=["--upload-streams", "1", "--publish-batch",
+                                                 "2", "--upload-limit", "8"],
+                   segment_size="1M")
+    before = status(m)["manifests_published"]
+    ck = {f"ck/__{r}_0.distcp": blob(f"b{r}", (1 << 20) + 4096 * r) for r in range(8)}
+    write_tree(m.mnt, ck)
+    wait_published(m.mnt / "ck")
+    st = status(m)
+    assert st["batches_published"] >= 3, st  # the test needs several batches in a row
+    assert st["manifests_published"] - before == 1, st
+    got = export_files(m.shared, "ck", tmp_path / "out")
+    assert not tree_diff({k[3:]: v for k, v in ck.items()}, got)
+
+
 # -- SIGKILL during an upload ------------------------------------------------------------------
 
 
