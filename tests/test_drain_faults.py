@@ -379,9 +379,7 @@ def test_unmount_during_an_upload_exits_at_once_and_publishes_after_the_next_mou
     for rel in expected:
         fsync_path(m.mnt / rel)
     wait_for(lambda: partial_temp(m.shared), 30, "an upload in flight", interval=0.01)
-    t0 = time.monotonic()
-    m.unmount(timeout=10)
-    assert time.monotonic() - t0 < 10
+    m.unmount(timeout=10)  # fails unless the daemon exits 0 within 10 s
     assert "not yet on SHARED" in m.log_tail(), m.log_tail()
     without_upload_limit(m)
     m.start()

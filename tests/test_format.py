@@ -314,3 +314,36 @@ def test_batch_directories_with_overlapping_ranges_resolve_every_object(tmp_path
     reader.delete_object("n0", 3)
     assert (root / "b0000000000000001-0000000000000004").is_dir()
     assert SharedStore(str(tmp_path / "shared")).read_range("n0", 4, 0, 10) == content[4][:10]
+
+
+def test_upload_paused_for_writers_gives_up_when_the_daemon_stops() -> None:
+    """An upload paused for the application's writes (`hold`) or waiting out the rate limit
+    leaves as soon as the daemon stops, instead of waiting for a resume that never comes."""
+    import threading
+    import time
+
+    from ckptfs.shared import RateLimiter, UploadStopped
+
+    for paused in (True, False):
+        lim = RateLimiter(1.0 if not paused else 0.0)  # 1 B/s: the second take waits ~1e6 s
+        if paused:
+            lim.hold.set()
+        else:
+            lim.take(1 << 20)
+        out: list[BaseException] = []
+
+        def upload() -> None:
+            try:
+                lim.take(1 << 20)
+            except BaseException as e:  # noqa: BLE001 - the test inspects it
+                out.append(e)
+
+        t = threading.Thread(target=upload, daemon=True)
+        t.start()
+        time.sleep(0.2)
+        assert t.is_alive(), "the upload should be waiting"
+        t0 = time.monotonic()
+        lim.stop.set()
+        t.join(5)
+        assert not t.is_alive() and time.monotonic() - t0 < 1, "stop did not end the wait"
+        assert len(out) == 1 and isinstance(out[0], UploadStopped), out
