@@ -27,6 +27,11 @@ ENTRY_TIMEOUT = 5.0
 ATTR_TIMEOUT = 5.0
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 CONTROL_XATTRS = (b"user.ckptfs.control", b"user.ckptfs.pid")
+# Without FUSE ACL support the kernel passes these to us as plain xattrs. Stored as such they
+# would change nothing (the mode bits stay what they were) yet look like ACLs: `cp -a` sets the
+# ACL that stands for the source's mode instead of chmod-ing, and its 0700/0600 creation modes
+# would stick. EOPNOTSUPP, as on a filesystem mounted without ACLs, makes tools use chmod.
+ACL_PREFIX = b"system.posix_acl_"
 
 
 def fuse_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -205,9 +210,9 @@ class Operations(pyfuse3.Operations):
             await cache.reserve(len(buf))  # backpressure: wait for the drain to make room
         return self.ns.write(fh, off, buf)
 
-    @fuse_errors
-    async def flush(self, fh: int) -> None:
-        return None
+    # No flush(): every write is in the log before it is acknowledged, so a close has nothing
+    # to hand over. The base class answers ENOSYS, after which the kernel stops sending FLUSH
+    # at all: one round trip less per close (7.3 -> 6.3 requests per file in a storm).
 
     @fuse_errors
     async def release(self, fh: int) -> None:
@@ -272,6 +277,8 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         if inode == pyfuse3.ROOT_INODE and name in self.control:
             return self.control[name]
+        if name.startswith(ACL_PREFIX):
+            raise FsError(errno.EOPNOTSUPP)
         self.ns.inode(inode)
         value = self.ns.index.get_xattr(inode, name)
         if value is None:
@@ -282,12 +289,14 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         if name in CONTROL_XATTRS:
             raise FsError(errno.EPERM)
+        if name.startswith(ACL_PREFIX):
+            raise FsError(errno.EOPNOTSUPP)
         self.ns.setxattr(inode, name, value)
 
     @fuse_errors
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         self.ns.inode(inode)
-        return self.ns.index.list_xattrs(inode)
+        return [n for n in self.ns.index.list_xattrs(inode) if not n.startswith(ACL_PREFIX)]
 
     @fuse_errors
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -471,6 +472,39 @@ def test_chmod_chown_utime_ns_precision(mount: Mount) -> None:
     check()
     assert stat.S_IMODE(os.stat(p).st_mode) == 0o1777
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o1777
+
+
+def test_cp_a_into_the_mount_keeps_modes_and_acls_are_not_stored(mount: Mount,
+                                                                   tmp_path: Path) -> None:
+    """cp -a creates files 0600 and directories 0700, then copies the source's ACL; if the
+    filesystem stored system.posix_acl_* as plain xattrs, the modes would stay 0600/0700."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    modes = {"sub": 0o755, "sub/run.sh": 0o755, "sub/data.bin": 0o644, "secret": 0o600,
+             "shared": 0o664}
+    for name, mode in modes.items():
+        p = src / name
+        if not p.exists():
+            p.write_bytes(name.encode() * 100)
+        os.chmod(p, mode)
+    subprocess.run(["cp", "-a", str(src), str(mount.mnt / "copy")], check=True)
+    for name, mode in modes.items():
+        got = os.stat(mount.mnt / "copy" / name)
+        assert stat.S_IMODE(got.st_mode) == mode, (name, oct(got.st_mode))
+        assert not [n for n in os.listxattr(mount.mnt / "copy" / name)
+                    if n.startswith("system.posix_acl")]
+    target = mount.mnt / "copy" / "secret"
+    # a minimal access ACL (user::rw- group::r-- other::r--) in the kernel's xattr encoding
+    acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 0xFFFFFFFF)
+                                          for tag, perm in ((0x01, 6), (0x04, 4), (0x20, 4)))
+    with pytest.raises(OSError) as exc:
+        os.setxattr(target, "system.posix_acl_access", acl)
+    check_errno(exc.value, errno.EOPNOTSUPP)
+    with pytest.raises(OSError) as exc:  # the kernel turns the EOPNOTSUPP into "no ACL"
+        os.getxattr(target, "system.posix_acl_access")
+    check_errno(exc.value, errno.EOPNOTSUPP, errno.ENODATA)
+    os.setxattr(target, "user.kept", b"v")  # other xattrs still work
+    assert os.getxattr(target, "user.kept") == b"v"
 
 
 def test_mtime_changes_on_write(mount: Mount) -> None:
