@@ -17,7 +17,7 @@ import pyfuse3
 import trio
 
 from ckptfs import control, layout
-from ckptfs.errors import CliError
+from ckptfs.errors import CliError, FsError
 from ckptfs.fs import Operations
 from ckptfs.cache import CacheConfig, LocalCache
 from ckptfs.coldtier import ColdTier, Tiered
@@ -34,6 +34,7 @@ from ckptfs.reads import Reader
 from ckptfs.recovery import replay
 
 log = logging.getLogger(__name__)
+DEFRAG_INTERVAL = 1.0  # seconds between looks for files that small writes fragmented
 
 
 @dataclass
@@ -316,6 +317,7 @@ class Daemon:
             if self.metrics is not None:
                 nursery.start_soon(self.metrics.run, self.status)
             nursery.start_soon(self._gc_loop)
+            nursery.start_soon(self._defrag_loop)
             nursery.start_soon(self._commit_loop)
             nursery.start_soon(self._idle_seal_loop)
             nursery.start_soon(self._signals)
@@ -368,6 +370,22 @@ class Daemon:
                 await self.gc.compact(self.ns)
             except Exception:
                 log.exception("garbage collection failed; will try again")
+
+    async def _defrag_loop(self) -> None:
+        """Merge the small extents of files grown by small writes (namespace.py, SMALL_WRITE),
+        one record at a time so requests keep being served in between."""
+        while True:
+            await trio.sleep(DEFRAG_INTERVAL)
+            while self.ns.defrag_due:
+                ino = self.ns.defrag_due.pop()
+                small = self.ns.small_writes.pop(ino, None)
+                pos: int | None = small[1] if small else 0  # nothing before it changed
+                try:
+                    while pos is not None:
+                        pos = self.ns.defrag_step(ino, pos)
+                        await trio.sleep(0)
+                except (FsError, OSError) as e:  # a damaged record (EIO), a full disk
+                    log.warning("defragmenting inode %d stopped: %s", ino, e)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -534,6 +552,7 @@ class Daemon:
             "drain_yield_seconds": round(self.drain.yield_seconds, 1),
             "dedup": {"enabled": self.ns.dedup, "hits": self.ns.dedup_hits,
                       "bytes_not_written": self.ns.dedup_bytes},
+            "defrag": {"records": self.ns.defrag_records, "extents_merged": self.ns.defrag_extents},
             "gc": self.gc.status(),
             "retention": self.retention.status(),
             "cold": self.coldtier.status() if self.coldtier is not None else None,

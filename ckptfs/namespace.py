@@ -29,6 +29,17 @@ log = logging.getLogger(__name__)
 
 NAME_MAX = 255
 DEDUP_MIN = 64 << 10  # smaller writes are not worth a chunk-table entry
+# Defragmenting: every write is its own record and extent, so a file grown by small appends
+# (a training log, a metrics .jsonl, TensorBoard events, `print(..., flush=True)`) would
+# keep one extent per write: an index row each, a manifest entry each, a read that gathers
+# thousands of pieces. After DEFRAG_AFTER writes smaller than SMALL_WRITE to a file, runs of
+# its adjacent small local extents are copied into single RELOC records (as compaction does).
+# Below a page only: a record's 56-byte header and its index row are then a large share of
+# it, while re-copying bigger pieces would cost more log and drain bandwidth than it saves
+# (Python's buffered files write st_blksize = 1 MiB chunks here anyway).
+SMALL_WRITE = 4 << 10
+DEFRAG_AFTER = 256
+DEFRAG_RUN_EXTENTS = 256  # per merged record (so < 1 MiB); one step: ~5 ms of the trio thread
 
 
 def check_name(name: bytes) -> None:
@@ -63,6 +74,11 @@ class Namespace:
         self.dedup = True
         self.dedup_hits = 0
         self.dedup_bytes = 0
+        # per inode since its last defrag: [small writes, lowest offset one of them wrote]
+        self.small_writes: dict[int, list[int]] = {}
+        self.defrag_due: set[int] = set()
+        self.defrag_records = 0
+        self.defrag_extents = 0
     # --- plumbing -------------------------------------------------------------------------
 
     def record(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview = b"",
@@ -335,8 +351,62 @@ class Namespace:
                 self.index.put_chunk(digest, seg, pos, n)
         else:
             self.record(RecType.WRITE, ino, off, data)
+            if n < SMALL_WRITE:
+                sw = self.small_writes.get(ino)
+                if sw is None:
+                    sw = self.small_writes[ino] = [0, off]
+                sw[0] += 1
+                sw[1] = min(sw[1], off)
+                if sw[0] >= DEFRAG_AFTER:
+                    self.defrag_due.add(ino)
         self.last_write_ns = time.time_ns()
         return n
+
+    def defrag_step(self, ino: int, start: int) -> int | None:
+        """Look at up to DEFRAG_RUN_EXTENTS extents of `ino` from file offset `start` on and
+        merge their first run of at least two adjacent small local extents into one RELOC
+        record. Returns the offset to go on from, or None when the file has no more extents.
+
+        Synchronous from reading the extents to appending the record, so no request can
+        change the file in between: the record holds exactly the bytes the extents held.
+        Extents on the shared store only are left alone (reading them here would block).
+        """
+        node = self.index.get_inode(ino)
+        if node is None or not stat.S_ISREG(node.mode):
+            return None
+        batch = self.index.extents_from(ino, start, DEFRAG_RUN_EXTENTS)
+        if not batch:
+            return None
+        run: list[Extent] = []
+        for e in batch:
+            if e.length >= SMALL_WRITE or not self.reader.is_local(e):
+                if len(run) >= 2:
+                    break
+                run = []
+                continue
+            if run and e.start != run[-1].end:
+                if len(run) >= 2:
+                    break
+                run = []
+            run.append(e)
+        if len(run) < 2:  # nothing to merge here: go on after this batch
+            return batch[-1].end if len(batch) == DEFRAG_RUN_EXTENTS else None
+        off, end = run[0].start, run[-1].end
+        data = self.reader.read(run, off, end - off, node.size)
+        self.record(RecType.RELOC, ino, off, data)
+        self.defrag_records += 1
+        self.defrag_extents += len(run)
+        return end
+
+    def defrag(self, ino: int, start: int = 0, max_records: int = 1 << 30) -> int | None:
+        """defrag_step until the file is done (None) or max_records were written (the
+        offset to continue from)."""
+        pos: int | None = start
+        for _ in range(max_records):
+            pos = self.defrag_step(ino, pos)
+            if pos is None:
+                return None
+        return pos
 
     def _chunk_alive(self, seg: int) -> bool:
         info = self.index.get_segment(seg)

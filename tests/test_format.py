@@ -347,3 +347,65 @@ def test_upload_paused_for_writers_gives_up_when_the_daemon_stops() -> None:
         t.join(5)
         assert not t.is_alive() and time.monotonic() - t0 < 1, "stop did not end the wait"
         assert len(out) == 1 and isinstance(out[0], UploadStopped), out
+
+
+def test_defrag_merges_small_appends_into_few_records_and_replays_the_same(
+        tmp_path: Path) -> None:
+    from ckptfs import namespace as nsmod
+
+    index, log, ns = make(tmp_path, seg_size=4 << 20)
+    f = ns.create(ROOT_INO, b"log.jsonl", 0o644, 0, 0).ino
+    g = ns.create(ROOT_INO, b"mixed", 0o644, 0, 0).ino
+    model = bytearray()
+    for i in range(3000):  # a log grown line by line
+        line = f"{i} loss={i * 0.001:.4f}\n".encode()
+        ns.write(f, len(model), line)
+        model += line
+    assert f in ns.defrag_due  # small writes past the threshold queue the file
+    gm = bytearray(300_000)  # a hole, small writes, a big write, a hole, small writes
+    for off in range(1000, 20_000, 100):
+        ns.write(g, off, bytes([off % 251]) * 100)
+        gm[off:off + 100] = bytes([off % 251]) * 100
+    big = os.urandom(100_000)
+    ns.write(g, 20_000, big)
+    gm[20_000:120_000] = big
+    for off in range(150_000, 300_000, 50):
+        ns.write(g, off, bytes([off % 13 + 1]) * 50)
+        gm[off:off + 50] = bytes([off % 13 + 1]) * 50
+    mtime = index.get_inode(f).mtime_ns
+    before_f = len(list(index.iter_extents(f)))
+    assert before_f == 3000
+
+    assert ns.defrag(f) is None and ns.defrag(g) is None
+    ext_f = list(index.iter_extents(f))
+    per_run = nsmod.DEFRAG_RUN_EXTENTS
+    runs = -(-3000 // per_run)
+    # 3000 lines of ~20 bytes: one record per DEFRAG_RUN_EXTENTS lines, back to back
+    assert [e.start for e in ext_f] == [0] + [e.end for e in ext_f[:-1]]
+    assert len(ext_f) == runs, [(e.start, e.length) for e in ext_f]
+    ext_g = [(e.start, e.length) for e in index.iter_extents(g)]
+    # the holes stay holes, the big write is not copied, each run of small writes is merged
+    assert ext_g[0] == (1000, 19_000) and ext_g[1] == (20_000, 100_000), ext_g
+    assert ext_g[2][0] == 150_000 and sum(n for _s, n in ext_g[2:]) == 150_000
+    assert len(ext_g) == 2 + runs, ext_g
+    assert ns.read(f, 0, 1 << 20) == bytes(model)
+    assert ns.read(g, 0, 1 << 20) == bytes(gm)
+    assert index.get_inode(f).mtime_ns == mtime  # the content did not change: no times
+    assert ns.defrag_records == 2 * runs + 1 and ns.defrag_extents == 3000 + 190 + 3000
+    assert ns.defrag(f) is None and ns.defrag_records == 2 * runs + 1  # nothing left
+
+    # the RELOC records replay into the same map
+    close(index, log)
+    import shutil
+
+    shutil.rmtree(tmp_path / "index")
+    index2 = Index(str(tmp_path / "index"))
+    log2 = SegmentLog(str(tmp_path / "segments"), "t0", 4 << 20)
+    assert not replay(index2, log2).corruption
+    ns2 = Namespace(index2, log2, Reader(log2.path))
+    assert [(e.start, e.length) for e in index2.iter_extents(f)] == \
+        [(e.start, e.length) for e in ext_f]
+    assert [(e.start, e.length) for e in index2.iter_extents(g)] == ext_g
+    assert ns2.read(f, 0, 1 << 20) == bytes(model)
+    assert ns2.read(g, 0, 1 << 20) == bytes(gm)
+    close(index2, log2)

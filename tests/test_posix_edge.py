@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from mounting import MakeMount, Mount, check_errno, run_cli
+from mounting import MakeMount, Mount, check_errno, run_cli, wait_for
 
 # -- names and paths ---------------------------------------------------------------------------
 
@@ -309,6 +309,35 @@ def test_hard_links_share_the_file_and_survive_unlink_remount_kill_and_export(
     for p in ("c", "d/b", "e"):
         os.unlink(m / p)
     assert sorted(os.listdir(m)) == ["d"] and os.listdir(m / "d") == []
+
+
+def test_a_file_grown_by_tiny_appends_is_defragmented_and_reads_back_everywhere(
+        mount: Mount, tmp_path: Path) -> None:
+    """A log written line by line, unbuffered: one record per write. The daemon merges the
+    small extents (status counts it) and the file still reads back right through the mount,
+    after a SIGKILL and a remount, and from SHARED alone (export)."""
+    d = mount.mnt / "run"
+    d.mkdir()
+    lines = [f"step {i} loss {1 / (i + 1):.6f}\n".encode() for i in range(3000)]
+    with open(d / "train.log", "ab", buffering=0) as f:
+        for line in lines:
+            f.write(line)
+    want = b"".join(lines)
+
+    def defrag() -> dict:
+        return json.loads(run_cli("status", mount.mnt, "--json").out)["defrag"]
+
+    st = wait_for(lambda: (s := defrag())["extents_merged"] >= 2900 and s, 30,
+                  "the daemon to merge the log's extents")
+    assert st["records"] <= 20, st  # one merged record per up to 256 lines
+    assert (d / "train.log").read_bytes() == want
+    mount.kill()
+    mount.remount()
+    assert (d / "train.log").read_bytes() == want
+    assert run_cli("wait", d, "--timeout", "60", timeout=90).rc == 0
+    out = tmp_path / "out"
+    assert run_cli("export", mount.shared, "run", out).rc == 0
+    assert (out / "train.log").read_bytes() == want
 
 
 def test_o_direct_works_with_aligned_buffers_or_is_einval(mount: Mount) -> None:
