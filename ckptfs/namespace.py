@@ -39,6 +39,7 @@ DEDUP_MIN = 64 << 10  # smaller writes are not worth a chunk-table entry
 # (Python's buffered files write st_blksize = 1 MiB chunks here anyway).
 SMALL_WRITE = 4 << 10
 DEFRAG_AFTER = 256
+DEFRAG_TRACKED = 8192  # files whose small writes are counted at once (memory bound)
 DEFRAG_RUN_EXTENTS = 256  # per merged record (so < 1 MiB); one step: ~5 ms of the trio thread
 
 
@@ -153,6 +154,7 @@ class Namespace:
         node = self.index.get_inode(ino)
         if node is not None and node.nlink == 0:
             self.record(RecType.PURGE, ino, 0)
+            self.small_writes.pop(ino, None)
 
     def purge_orphans(self) -> int:
         """At mount: inodes unlinked while open before a crash are dead now."""
@@ -354,6 +356,8 @@ class Namespace:
             if n < SMALL_WRITE:
                 sw = self.small_writes.get(ino)
                 if sw is None:
+                    if len(self.small_writes) >= DEFRAG_TRACKED:
+                        self._forget_small_writes()
                     sw = self.small_writes[ino] = [0, off]
                 sw[0] += 1
                 sw[1] = min(sw[1], off)
@@ -361,6 +365,13 @@ class Namespace:
                     self.defrag_due.add(ino)
         self.last_write_ns = time.time_ns()
         return n
+
+    def _forget_small_writes(self) -> None:
+        """Bound the per-file counters (a storm of files with one small write each would
+        grow them forever): keep the half with the most small writes."""
+        keep = sorted(self.small_writes.items(), key=lambda kv: kv[1][0],
+                      reverse=True)[:DEFRAG_TRACKED // 2]
+        self.small_writes = dict(keep)
 
     def defrag_step(self, ino: int, start: int) -> int | None:
         """Look at up to DEFRAG_RUN_EXTENTS extents of `ino` from file offset `start` on and

@@ -408,4 +408,13 @@ def test_defrag_merges_small_appends_into_few_records_and_replays_the_same(
     assert [(e.start, e.length) for e in index2.iter_extents(g)] == ext_g
     assert ns2.read(f, 0, 1 << 20) == bytes(model)
     assert ns2.read(g, 0, 1 << 20) == bytes(gm)
+    # the per-file counters stay bounded whatever the number of files
+    hot = ns2.create(ROOT_INO, b"hot", 0o644, 0, 0).ino
+    for i in range(5):
+        ns2.write(hot, i, b"h")
+    for i in range(nsmod.DEFRAG_TRACKED + 10):
+        ino = ns2.create(ROOT_INO, f"c{i}".encode(), 0o644, 0, 0).ino
+        ns2.write(ino, 0, b"one small write")
+    assert len(ns2.small_writes) <= nsmod.DEFRAG_TRACKED
+    assert ns2.small_writes[hot][0] == 5  # the busiest files are kept
     close(index2, log2)
