@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import trio
 
 from ckptfs import segment as fmt
+from ckptfs.errors import FsError
 from ckptfs.index import ROOT_INO, Index, SegState
 from ckptfs.log import SegmentLog
 from ckptfs.manifest import ManifestError, build, parse
@@ -408,6 +410,21 @@ def test_defrag_merges_small_appends_into_few_records_and_replays_the_same(
     assert [(e.start, e.length) for e in index2.iter_extents(g)] == ext_g
     assert ns2.read(f, 0, 1 << 20) == bytes(model)
     assert ns2.read(g, 0, 1 << 20) == bytes(gm)
+    # a damaged small record is never copied into a fresh checksum: the step fails (EIO)
+    k = ns2.create(ROOT_INO, b"k", 0o644, 0, 0).ino
+    for i in range(40):
+        ns2.write(k, i * 10, bytes([65 + i % 26]) * 10)
+    before = list(index2.iter_extents(k))
+    bad = before[17]
+    with open(log2.path(bad.seg), "r+b") as fh:
+        fh.seek(bad.rec_pos + fmt.RECORD_HEADER_SIZE + bad.skip + 3)
+        fh.write(b"\0")
+    with pytest.raises(FsError) as exc:
+        ns2.defrag(k)
+    assert exc.value.errno == errno.EIO
+    assert list(index2.iter_extents(k)) == before  # the run was not merged
+    with pytest.raises(FsError):
+        ns2.read(k, 170, 10)
     # the per-file counters stay bounded whatever the number of files
     hot = ns2.create(ROOT_INO, b"hot", 0o644, 0, 0).ino
     for i in range(5):
