@@ -386,6 +386,8 @@ class Daemon:
                         await trio.sleep(0)
                 except (FsError, OSError) as e:  # a damaged record (EIO), a full disk
                     log.warning("defragmenting inode %d stopped: %s", ino, e)
+                except Exception:  # never let housekeeping take the mount down
+                    log.exception("defragmenting inode %d failed", ino)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
