@@ -334,6 +334,17 @@ def test_a_file_grown_by_tiny_appends_is_defragmented_and_reads_back_everywhere(
     mount.kill()
     mount.remount()
     assert (d / "train.log").read_bytes() == want
+    rng = random.Random(5)
+    for rnd in range(3):  # SIGKILL wherever the merging is: any prefix of the log reads the same
+        more = [f"round {rnd} line {i}\n".encode() for i in range(1500)]
+        with open(d / "train.log", "ab", buffering=0) as f:
+            for line in more:
+                f.write(line)
+        want += b"".join(more)
+        time.sleep(rng.uniform(0.5, 1.5))
+        mount.kill()
+        mount.remount()
+        assert (d / "train.log").read_bytes() == want
     assert run_cli("wait", d, "--timeout", "60", timeout=90).rc == 0
     out = tmp_path / "out"
     assert run_cli("export", mount.shared, "run", out).rc == 0
