@@ -335,21 +335,10 @@ class Index:
             for k, v in c:
                 yield KEY2.unpack(k)[0], self._ext(k, v)
 
-    def extents_from(self, ino: int, off: int, limit: int) -> list[Extent]:
-        """Up to `limit` extents of ino starting at or after file offset `off`, in order."""
-        out: list[Extent] = []
+    def iter_extents(self, ino: int, start: int = 0) -> Iterator[Extent]:
+        """ino's extents in file order, from the first one starting at or after `start`."""
         with self.txn.cursor(db=self.extents) as c:
-            if not c.set_range(k_ext(ino, off)):
-                return out
-            for k, v in c:
-                if KEY2.unpack(k)[0] != ino or len(out) >= limit:
-                    break
-                out.append(self._ext(k, v))
-        return out
-
-    def iter_extents(self, ino: int) -> Iterator[Extent]:
-        with self.txn.cursor(db=self.extents) as c:
-            if not c.set_range(k_ext(ino, 0)):
+            if not c.set_range(k_ext(ino, start)):
                 return
             for k, v in c:
                 if KEY2.unpack(k)[0] != ino:

@@ -10,6 +10,7 @@ No FUSE here: fs.py translates; this module is testable without a mount.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import stat
@@ -385,7 +386,7 @@ class Namespace:
         node = self.index.get_inode(ino)
         if node is None or not stat.S_ISREG(node.mode):
             return None
-        batch = self.index.extents_from(ino, start, DEFRAG_RUN_EXTENTS)
+        batch = list(itertools.islice(self.index.iter_extents(ino, start), DEFRAG_RUN_EXTENTS))
         if not batch:
             return None
         run: list[Extent] = []
