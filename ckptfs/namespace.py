@@ -410,15 +410,11 @@ class Namespace:
         self.defrag_extents += len(run)
         return end
 
-    def defrag(self, ino: int, start: int = 0, max_records: int = 1 << 30) -> int | None:
-        """defrag_step until the file is done (None) or max_records were written (the
-        offset to continue from)."""
-        pos: int | None = start
-        for _ in range(max_records):
+    def defrag(self, ino: int) -> None:
+        """The whole file in one go (the daemon yields between steps instead)."""
+        pos: int | None = 0
+        while pos is not None:
             pos = self.defrag_step(ino, pos)
-            if pos is None:
-                return None
-        return pos
 
     def _chunk_alive(self, seg: int) -> bool:
         info = self.index.get_segment(seg)
