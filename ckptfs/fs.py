@@ -88,6 +88,9 @@ class Operations(pyfuse3.Operations):
         self.remote_limiter = trio.CapacityLimiter(8)
         self.direct_writes = True
         self.written_direct: set[int] = set()
+        # files open for direct writing by a process that is not root: the kernel strips
+        # setuid/setgid on a cached write but leaves it to us on a direct one
+        self.unpriv_direct: set[int] = set()
 
     # --- lookups --------------------------------------------------------------------------
 
@@ -163,7 +166,7 @@ class Operations(pyfuse3.Operations):
 
     # --- files ----------------------------------------------------------------------------
 
-    def _fileinfo(self, ino: int, flags: int) -> pyfuse3.FileInfo:
+    def _fileinfo(self, ino: int, flags: int, uid: int) -> pyfuse3.FileInfo:
         """Write-only opens (how checkpoints are written) bypass the page cache: the kernel
         hands our buffers over in max_write requests instead of copying them through its cache
         first (about 2x for a storm of files: PERF-NOTES). Everything else keeps the page
@@ -176,6 +179,8 @@ class Operations(pyfuse3.Operations):
         if direct:
             self.written_direct.add(ino)
             fi.keep_cache = True
+            if uid != 0 and flags & os.O_ACCMODE != os.O_RDONLY:
+                self.unpriv_direct.add(ino)
         else:
             fi.keep_cache = ino not in self.written_direct
             self.written_direct.discard(ino)
@@ -185,12 +190,12 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-        return self._fileinfo(node.ino, flags), entry(node)
+        return self._fileinfo(node.ino, flags, ctx.uid), entry(node)
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         self.ns.open(inode, flags)
-        return self._fileinfo(inode, flags)
+        return self._fileinfo(inode, flags, ctx.uid)
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -208,6 +213,10 @@ class Operations(pyfuse3.Operations):
         cache = self.ns.cache
         if cache is not None and not cache.admit(len(buf)):
             await cache.reserve(len(buf))  # backpressure: wait for the drain to make room
+        if fh in self.unpriv_direct:
+            # what file_remove_privs() does for a cached write (with the opener standing in
+            # for the writer, whom a write request does not name)
+            self.ns.drop_setid(fh)
         return self.ns.write(fh, off, buf)
 
     # No flush(): every write is in the log before it is acknowledged, so a close has nothing
@@ -217,6 +226,8 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def release(self, fh: int) -> None:
         self.ns.release(fh)
+        if fh not in self.ns.opens:
+            self.unpriv_direct.discard(fh)
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:

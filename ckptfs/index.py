@@ -269,6 +269,11 @@ class Index:
         self.txn.put(k_dirent(parent, name), DIRENT.pack(child, cookie), db=self.dirents)
         self.txn.put(KEY2.pack(parent, cookie), name, db=self.cookies)
 
+    def _repoint(self, parent: int, name: bytes, child: int) -> None:
+        key = k_dirent(parent, name)
+        _, cookie = DIRENT.unpack(self.txn.get(key, db=self.dirents))
+        self.txn.put(key, DIRENT.pack(child, cookie), db=self.dirents)
+
     def _unlink_entry(self, parent: int, name: bytes) -> int | None:
         key = k_dirent(parent, name)
         raw = self.txn.get(key, db=self.dirents)
@@ -599,10 +604,11 @@ class Index:
             if dst is None:
                 return
             dst_dir = bool((d := self.get_inode(dst)) and d.is_dir)
-            self._unlink_entry(op, old)
-            self._unlink_entry(np_, new)
-            self._link(np_, new, src, rec.seq)
-            self._link(op, old, dst, rec.seq)
+            # The names stay and swap what they point to, each keeping its readdir cookie
+            # (two fresh links would both get rec.seq: in one directory, one would hide the
+            # other from readdir).
+            self._repoint(op, old, dst)
+            self._repoint(np_, new, src)
             if op != np_ and src_dir != dst_dir:
                 delta = 1 if dst_dir else -1
                 self._touch_dir(op, now, delta)

@@ -29,6 +29,7 @@ from ckptfs.segment import RecType
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # renameat2(2) flags
 DEDUP_MIN = 64 << 10  # smaller writes are not worth a chunk-table entry
 # Defragmenting: every write is its own record and extent, so a file grown by small appends
 # (a training log, a metrics .jsonl, TensorBoard events, `print(..., flush=True)`) would
@@ -255,6 +256,11 @@ class Namespace:
 
     def rename(self, op: int, old: bytes, np_: int, new: bytes, flags: int) -> None:
         self.ops.bump("rename")
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
+            # RENAME_WHITEOUT (overlayfs' upper layer) and anything newer: not supported, as
+            # on most filesystems. Taking it as a plain rename would leave no whiteout behind
+            # and let an rmdir succeed that must fail.
+            raise FsError(errno.EINVAL)
         check_name(new)
         self._dir(op)
         self._dir(np_)
@@ -263,9 +269,9 @@ class Namespace:
             raise FsError(errno.ENOENT)
         snode = self.inode(src)
         dst = self.index.lookup(np_, new)
-        if flags & 1 and dst is not None:  # RENAME_NOREPLACE
+        if flags & RENAME_NOREPLACE and dst is not None:
             raise FsError(errno.EEXIST)
-        if flags & 2:  # RENAME_EXCHANGE
+        if flags & RENAME_EXCHANGE:
             if dst is None:
                 raise FsError(errno.ENOENT)
         elif dst is not None and dst != src:
@@ -281,9 +287,9 @@ class Namespace:
         self.record(RecType.RENAME, 0, 0, fmt.rename_body(op, old, np_, new, flags))
         if snode.is_dir:
             self.dir_parent[src] = np_
-        if flags & 2 and dst is not None and dst in self.dir_parent:
+        if flags & RENAME_EXCHANGE and dst is not None and dst in self.dir_parent:
             self.dir_parent[dst] = op
-        if dst is not None and not flags & 2:
+        if dst is not None and not flags & RENAME_EXCHANGE:
             self._maybe_purge(dst)
 
     def setattr(self, ino: int, mode: int | None = None, uid: int | None = None,
@@ -366,6 +372,16 @@ class Namespace:
                     self.defrag_due.add(ino)
         self.last_write_ns = time.time_ns()
         return n
+
+    def drop_setid(self, ino: int) -> None:
+        """A write by an unprivileged process clears setuid, and setgid where it means
+        something (group execute set), as the kernel's should_remove_suid() does."""
+        mode = self.inode(ino).mode
+        kill = mode & stat.S_ISUID
+        if mode & stat.S_ISGID and mode & stat.S_IXGRP:
+            kill |= stat.S_ISGID
+        if kill and stat.S_ISREG(mode):
+            self.setattr(ino, mode=mode & ~kill)
 
     def _forget_small_writes(self) -> None:
         """Bound the per-file counters (a storm of files with one small write each would

@@ -8,6 +8,8 @@ Reproduce a failure with the seed in its message:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import hashlib
 import os
@@ -23,6 +25,16 @@ import pytest
 from mounting import MakeMount, Mount
 
 NAMES = ["a", "b", "c", "d", "e", "f"]
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                            ctypes.c_uint]
+
+
+def renameat2(src: str, dst: str, flags: int) -> None:
+    if _libc.renameat2(-100, os.fsencode(src), -100, os.fsencode(dst), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
 MAX_SLOTS = 6
 Outcome = tuple[str, Any]  # ("ok", value) or ("err", "ENOENT")
 
@@ -83,8 +95,10 @@ class Op:
         for k, v in self.args.items():
             if isinstance(v, bytes):
                 v = f"<{len(v)} bytes {hashlib.sha1(v).hexdigest()[:8]}>"
-            elif k in ("flags",):
-                v = flag_names(v)
+            elif k == "flags":
+                v = flag_names(v) if self.name == "open" else {
+                    RENAME_EXCHANGE: "RENAME_EXCHANGE", RENAME_NOREPLACE: "RENAME_NOREPLACE"
+                }.get(v, v)
             elif k == "mode":
                 v = oct(v)
             parts.append(f"{k}={v}")
@@ -131,7 +145,7 @@ def apply(side: Side, op: Op) -> Outcome:
         "fdatasync": lambda: os.fdatasync(fd),
         "fstat": lambda: stat_summary(os.fstat(fd)),
         "lseek": lambda: os.lseek(fd, a["off"], a["whence"]),
-        "rename": lambda: os.rename(side.p(a["src"]), side.p(a["dst"])),
+        "rename": lambda: renameat2(side.p(a["src"]), side.p(a["dst"]), a["flags"]),
         "link": lambda: os.link(side.p(a["src"]), side.p(a["dst"]), follow_symlinks=False),
         "unlink": lambda: os.unlink(p),
         "mkdir": lambda: os.mkdir(p, a["mode"]),
@@ -397,7 +411,9 @@ class Gen:
             dst = rng.choice([src] + below) + "/" + rng.choice(NAMES)  # into itself: EINVAL
         else:
             dst = self.new_path(dirs)
-        return Op("rename", {"src": src, "dst": dst})
+        r = rng.random()  # renameat2(2): swap two entries, or refuse to replace
+        flags = RENAME_EXCHANGE if r < 0.15 else RENAME_NOREPLACE if r < 0.25 else 0
+        return Op("rename", {"src": src, "dst": dst, "flags": flags})
 
 
 # -- the driver --------------------------------------------------------------------------------
@@ -476,10 +492,12 @@ class Differ:
         elif n == "rename":
             self._unpin_parent(a["src"])
             self._unpin_parent(a["dst"])
-            if os.path.isdir(self.hside.p(a["dst"])) and not os.path.islink(
-                self.hside.p(a["dst"])
-            ):
-                self._unpin(self._ino(a["dst"]))  # its ".." changed
+            # A directory that moved has a new ".."; an exchange moves both entries.
+            for moved in (a["dst"], a["src"]) if a["flags"] & RENAME_EXCHANGE else (a["dst"],):
+                if os.path.isdir(self.hside.p(moved)) and not os.path.islink(
+                    self.hside.p(moved)
+                ):
+                    self._unpin(self._ino(moved))
 
     def _pinned_paths(self) -> set[str]:
         root = str(self.hside.root)

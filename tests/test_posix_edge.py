@@ -382,6 +382,41 @@ def test_o_direct_works_with_aligned_buffers_or_is_einval(mount: Mount) -> None:
     assert path.read_bytes() == expected
 
 
+RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT = 1, 2, 4
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> int:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fn = libc.renameat2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    AT_FDCWD = -100
+    if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def test_renameat2_noreplace_and_exchange_work_and_whiteout_is_einval(mount: Mount) -> None:
+    d = mount.mnt
+    (d / "a").write_bytes(b"A")
+    (d / "b").write_bytes(b"B")
+    (d / "dir").mkdir()
+    (d / "dir" / "inner").write_bytes(b"I")
+    assert _renameat2(d / "a", d / "b", RENAME_NOREPLACE) == errno.EEXIST
+    assert _renameat2(d / "a", d / "c", RENAME_NOREPLACE) == 0
+    assert _renameat2(d / "c", d / "dir", RENAME_EXCHANGE) == 0  # a file and a directory swap
+    assert (d / "dir").read_bytes() == b"A" and (d / "c" / "inner").read_bytes() == b"I"
+    assert _renameat2(d / "b", d / "nothing", RENAME_EXCHANGE) == errno.ENOENT
+    # Whiteouts (overlayfs) are not supported: a clean EINVAL, and nothing moved. Taken as a
+    # plain rename, it would leave no whiteout, and an rmdir that must fail would succeed.
+    (d / "c" / "wh").write_bytes(b"W")
+    assert _renameat2(d / "c" / "wh", d / "wh2", RENAME_WHITEOUT) == errno.EINVAL
+    assert (d / "c" / "wh").read_bytes() == b"W" and not (d / "wh2").exists()
+    mount.remount()
+    assert sorted(os.listdir(d)) == ["b", "c", "dir"]
+    assert sorted(os.listdir(d / "c")) == ["inner", "wh"]
+    assert (d / "dir").read_bytes() == b"A"
+
+
 def _libc_fallocate():  # type: ignore[no-untyped-def]
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     fn = libc.fallocate
@@ -585,13 +620,20 @@ OWNER_CHILD = textwrap.dedent(
         os.close(fd)
         return "ok"
     attempt("write_other", write_other)
+    def write_setid(name):
+        fd = os.open(name, os.O_WRONLY, dir_fd=dfd)  # write-only: the direct-I/O path
+        os.write(fd, b"x")
+        os.close(fd)
+        return "ok"
+    attempt("write_setid", lambda: write_setid("setid"))
+    attempt("write_setgid_noexec", lambda: write_setid("setgid-noexec"))
     attempt("unlink_root_file_in_sticky", lambda: os.unlink("rootfile", dir_fd=dfd) or "ok")
     print(json.dumps(out))
     """
 )
 
 
-def test_files_get_the_callers_uid_and_gid(make_mount: MakeMount) -> None:
+def test_files_get_the_callers_uid_and_gid_and_writes_strip_setid(make_mount: MakeMount) -> None:
     m = make_mount(extra_args=["--allow-other"])
     shared = m.mnt / "open"
     shared.mkdir()
@@ -599,6 +641,15 @@ def test_files_get_the_callers_uid_and_gid(make_mount: MakeMount) -> None:
     (shared / "rootfile").write_bytes(b"root's")
     st = os.stat(shared / "rootfile")
     assert (st.st_uid, st.st_gid) == (0, 0)
+    # Setuid/setgid files anyone may write: a write by another user strips the bits, as on
+    # a local filesystem (setgid stays where group execute is off: a locking mark, not a
+    # setgid), and root's own write keeps them.
+    for name, mode in (("setid", 0o6777), ("setgid-noexec", 0o2666), ("root-setid", 0o4777)):
+        (shared / name).write_bytes(b"")
+        os.chmod(shared / name, mode)
+    with open(shared / "root-setid", "wb") as f:
+        f.write(b"root writes")
+    assert stat.S_IMODE(os.stat(shared / "root-setid").st_mode) == 0o4777
 
     def as_user(uid: int, gid: int) -> dict[str, str]:
         res = subprocess.run(
@@ -612,6 +663,9 @@ def test_files_get_the_callers_uid_and_gid(make_mount: MakeMount) -> None:
     assert out["create"] == "ok" and out["mkdir"] == "ok", out
     assert out["write_other"] == "ok"  # its own file
     assert out["unlink_root_file_in_sticky"] == "EPERM", out  # sticky dir, not the owner
+    assert out["write_setid"] == out["write_setgid_noexec"] == "ok", out
+    assert stat.S_IMODE(os.stat(shared / "setid").st_mode) == 0o777
+    assert stat.S_IMODE(os.stat(shared / "setgid-noexec").st_mode) == 0o2666
     for name in ("file-1000", "dir-1000"):
         st = os.stat(shared / name)
         assert (st.st_uid, st.st_gid) == (1000, 1000), name
@@ -628,6 +682,8 @@ def test_files_get_the_callers_uid_and_gid(make_mount: MakeMount) -> None:
     for uid in (1000, 1001):
         st = os.stat(shared / f"file-{uid}")
         assert (st.st_uid, st.st_gid) == (uid, uid)
+    assert stat.S_IMODE(os.stat(shared / "setid").st_mode) == 0o777
+    assert stat.S_IMODE(os.stat(shared / "root-setid").st_mode) == 0o4777
 
 
 # -- checkpoint writer patterns ----------------------------------------------------------------
