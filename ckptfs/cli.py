@@ -149,7 +149,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
     if a.segment_size < (1 << 20):
         raise CliError("--segment-size must be at least 1M")
     cfg = MountConfig(nvme=nvme, shared=shared, mountpoint=mnt, segment_size=a.segment_size,
-                      seal_idle=a.seal_idle, allow_other=a.allow_other,
+                      seal_idle=a.seal_idle, allow_other=a.allow_other, fsname=a.fsname,
                       upload_streams=a.upload_streams, upload_limit=a.upload_limit,
                       publish_batch=a.publish_batch,
                       metrics_port=a.metrics_port, refresh_interval=a.refresh_interval,
@@ -244,6 +244,8 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
         out += ["--marker", g]
     if a.allow_other:
         out.append("--allow-other")
+    if a.fsname != "ckptfs":
+        out += ["--fsname", a.fsname]
     if a.no_dedup:
         out.append("--no-dedup")
     if a.cold:
@@ -778,6 +780,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an object stays unreferenced before it is deleted (default 60)")
     m.add_argument("--allow-other", action="store_true",
                    help="let other users use the mount (permissions enforced as on ext4)")
+    m.add_argument("--fsname", default="ckptfs",
+                   help="the mount's source as /proc/mounts, df and findmnt show it "
+                        "(default ckptfs; mount.ckptfs passes NVME:SHARED)")
     m.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     m.add_argument("--log-file", help="log here instead of stderr (background: NVME/ckptfs.log)")
@@ -927,7 +932,7 @@ def mount_helper(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     nvme, shared = pos[0].split(":", 1)
-    cmd = ["mount", nvme, shared, pos[1]]
+    cmd = ["mount", nvme, shared, pos[1], "--fsname", pos[0]]
     for o in opts:
         if not o or o in _MOUNT_NOOP or o.startswith("x-") or o.startswith("comment="):
             continue

@@ -47,6 +47,7 @@ class MountConfig:
     seal_idle: float = 5.0
     commit_interval: float = 1.0
     allow_other: bool = False
+    fsname: str = "ckptfs"
     upload_streams: int = 2
     publish_batch: int = PUBLISH_BATCH
     upload_limit: float = 0.0  # MB/s, 0 = unlimited
@@ -292,7 +293,9 @@ class Daemon:
             b"user.ckptfs.pid": str(os.getpid()).encode(),
         }, on_fsync=self._fsync_seen)
         opts = set(pyfuse3.default_options)
-        opts |= {"fsname=ckptfs", "subtype=ckptfs", "default_permissions", "noatime"}
+        # FUSE splits options at commas; a backslash escapes one (and itself)
+        fsname = cfg.fsname.replace("\\", "\\\\").replace(",", "\\,")
+        opts |= {f"fsname={fsname}", "subtype=ckptfs", "default_permissions", "noatime"}
         if cfg.allow_other:
             opts.add("allow_other")
         try:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mounting import fuse_mounts_under, is_mounted, lazy_unmount_all_under, run_cli
+from mounting import (fuse_mounts_under, is_mounted, lazy_unmount_all_under, mount_entry,
+                      run_cli)
 
 HELPER = Path(sys.executable).with_name("mount.ckptfs")
 REPO = Path(__file__).resolve().parent.parent
@@ -38,6 +39,8 @@ def test_fstab_helper_maps_options(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         assert is_mounted(mnt)
+        # the source column says which directories this is, as for any other filesystem
+        assert mount_entry(mnt)[0] == f"{nvme}:{shared}"  # type: ignore[index]
         st = json.loads(run_cli("status", mnt, "--json").out)
         assert st["node_id"] == "fstab0"
         assert st["retention"]["keep_shared"] == 3
