@@ -927,6 +927,11 @@ def mount_helper(argv: list[str] | None = None) -> int:
             continue
         pos.append(args[i])
         i += 1
+    if "remount" in opts and len(pos) >= 1:
+        # `mount -o remount,ro /ckpt`: nothing for the daemon to do; the kernel flips the
+        # mount's read-only flag (FUSE accepts ro/rw on a remount). -i: not back to us.
+        flags = [o for o in opts if o in ("remount", "ro", "rw")]
+        return subprocess.call(["mount", "-i", "-o", ",".join(flags), pos[-1]])
     if len(pos) != 2 or ":" not in pos[0]:
         print("ckptfs: error: usage: mount.ckptfs NVME:SHARED MOUNTPOINT [-o options]",
               file=sys.stderr)

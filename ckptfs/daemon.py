@@ -63,25 +63,47 @@ class MountConfig:
 
 
 class NvmeLock:
-    """An exclusive flock on NVME/ckptfs.lock: one daemon per NVMe directory."""
+    """An exclusive flock on NVME/ckptfs.lock: one daemon per NVMe directory.
 
-    def __init__(self, nvme: str):
+    The file holds the holder's pid and mountpoint. A daemon that was unmounted from outside
+    (umount(8), fusermount -u) still holds the lock while it closes its log and index; a mount
+    right after it (`umount /ckpt && mount /ckpt`, a service restart) waits for that, up to
+    LOCK_WAIT seconds, instead of failing. A holder whose mountpoint is mounted is a live
+    daemon: refused at once."""
+
+    LOCK_WAIT = 120.0
+
+    def __init__(self, nvme: str, mountpoint: str = ""):
         self.path = os.path.join(nvme, layout.LOCK_FILE)
+        self.mountpoint = mountpoint
         self.fd = -1
 
     def acquire(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        deadline = time.monotonic() + self.LOCK_WAIT
+        said = False
+        while True:
             try:
-                holder = os.pread(fd, 64, 0).decode().strip() or "?"
-            finally:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pid, _, where = os.pread(fd, 4096, 0).decode(errors="replace").partition("\n")
+                where = where.strip()
+                if (where and layout.mount_type(where) != layout.FSTYPE
+                        and time.monotonic() < deadline):
+                    if not said:  # unmounted and shutting down, or not mounted yet
+                        log.warning("waiting for ckptfs daemon pid %s (%s, not mounted) to "
+                                    "release %s", pid.strip() or "?", where,
+                                    os.path.dirname(self.path))
+                        said = True
+                    time.sleep(0.05)
+                    continue
                 os.close(fd)
-            raise CliError(f"{os.path.dirname(self.path)} is in use by another ckptfs daemon "
-                           f"(pid {holder})") from None
+                at = f", mounted at {where}" if where else ""
+                raise CliError(f"{os.path.dirname(self.path)} is in use by another ckptfs "
+                               f"daemon (pid {pid.strip() or '?'}{at})") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()}\n{self.mountpoint}\n".encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
@@ -146,7 +168,7 @@ def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = F
 class Daemon:
     def __init__(self, cfg: MountConfig):
         self.cfg = cfg
-        self.lock = NvmeLock(cfg.nvme)
+        self.lock = NvmeLock(cfg.nvme, cfg.mountpoint)
         self.started = time.time()
         self.fsync_count = 0
         self.fsync_seconds = 0.0

@@ -480,7 +480,7 @@ def _serves(pid: int, mnt: str) -> bool:
 
 
 def _lock_holder(nvme: str) -> int | None:
-    """The pid of the daemon holding NVME's lock (it writes its pid there), if one does."""
+    """The pid of the daemon holding NVME's lock (the first line of the file), if one does."""
     import fcntl
 
     try:
@@ -491,7 +491,7 @@ def _lock_holder(nvme: str) -> int | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            text = os.pread(fd, 64, 0).decode(errors="replace").partition("\n")[0].strip()
             return int(text) if text.isdigit() else None
         fcntl.flock(fd, fcntl.LOCK_UN)  # nobody holds it: no daemon
         return None

@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 
 ENTRY_TIMEOUT = 5.0
 ATTR_TIMEOUT = 5.0
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 CONTROL_XATTRS = (b"user.ckptfs.control", b"user.ckptfs.pid")
 # Without FUSE ACL support the kernel passes these to us as plain xattrs. Stored as such they
 # would change nothing (the mode bits stay what they were) yet look like ACLs: `cp -a` sets the
@@ -171,15 +170,16 @@ class Operations(pyfuse3.Operations):
         hands our buffers over in max_write requests instead of copying them through its cache
         first (about 2x for a storm of files: PERF-NOTES). Everything else keeps the page
         cache, so mmap and repeated reads work; a cached open after direct writes drops the
-        pages it may hold from before them."""
+        pages it may hold from before them. O_DIRECT needs no FUSE direct_io: the kernel then
+        sends its reads and writes straight to us itself, and, unlike under direct_io, a
+        MAP_SHARED mmap of the same descriptor still works (as fsx -Z expects)."""
         fi = pyfuse3.FileInfo(fh=ino)
-        direct = bool(flags & O_DIRECT) or (
-            self.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY)
+        direct = self.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY
         fi.direct_io = direct
         if direct:
             self.written_direct.add(ino)
             fi.keep_cache = True
-            if uid != 0 and flags & os.O_ACCMODE != os.O_RDONLY:
+            if uid != 0:
                 self.unpriv_direct.add(ino)
         else:
             fi.keep_cache = ino not in self.written_direct

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,6 +124,36 @@ def test_second_daemon_on_the_same_nvme_is_refused(make_mount: MakeMount, tmp_pa
     (m.mnt / "more").write_bytes(b"x")
     m.remount()
     assert (m.mnt / "more").read_bytes() == b"x"
+
+
+def test_a_mount_waits_for_an_unmounted_daemon_still_shutting_down(make_mount: MakeMount,
+                                                                   tmp_path: Path) -> None:
+    """`umount /ckpt && mount /ckpt` (a service restart, xfstests between tests): the old
+    daemon may still be closing its log and index after the unmount. The new mount waits for
+    its lock instead of failing with "in use"."""
+    m = make_mount()
+    (m.mnt / "keep").write_bytes(b"before the restart")
+    assert m.proc is not None
+    (mnt2,) = dirs(tmp_path, "mnt2")
+    m.proc.send_signal(signal.SIGSTOP)  # a daemon slow to shut down, holding the lock
+    try:
+        assert fusermount(m.mnt, "-uz").returncode == 0  # unmounted from outside
+        second = subprocess.Popen(ckptfs_cmd("mount", m.nvme, m.shared, mnt2),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2.0)
+        assert second.poll() is None, f"gave up at once: {second.communicate()}"
+    finally:
+        m.proc.send_signal(signal.SIGCONT)  # it sees the unmount, finishes and exits
+    try:
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 0, err
+        assert "waiting for ckptfs daemon" in (m.nvme / "ckptfs.log").read_text()
+        assert (mnt2 / "keep").read_bytes() == b"before the restart"
+        assert m.proc.wait(timeout=30) == 0
+    finally:
+        if is_mounted(mnt2):
+            run_cli("umount", mnt2, "--no-drain")
+        lazy_unmount_all_under(tmp_path / "mnt2")
 
 
 def test_stale_mount_is_cleaned_up_and_remounted(make_mount: MakeMount, cli_cleanup: Path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -45,6 +46,17 @@ def test_fstab_helper_maps_options(tmp_path: Path) -> None:
         assert st["node_id"] == "fstab0"
         assert st["retention"]["keep_shared"] == 3
         (mnt / "f").write_bytes(b"via fstab")
+        # `mount -o remount,ro` (mount(8) runs the helper for it): read-only, then writable
+        for opt in ("remount,ro", "remount,rw"):
+            res = subprocess.run([str(HELPER), f"{nvme}:{shared}", str(mnt), "-o", opt],
+                                 capture_output=True, text=True, timeout=60)
+            assert res.returncode == 0, res.stderr
+            if opt.endswith("ro"):
+                with pytest.raises(OSError) as exc:
+                    (mnt / "g").write_bytes(b"x")
+                assert exc.value.errno == errno.EROFS
+                assert (mnt / "f").read_bytes() == b"via fstab"
+        (mnt / "g").write_bytes(b"writable again")
         assert run_cli("umount", mnt).rc == 0
         assert not is_mounted(mnt, None)
         bad = subprocess.run([str(HELPER), str(nvme), str(mnt)], capture_output=True, text=True)
