@@ -213,10 +213,15 @@ class Operations(pyfuse3.Operations):
         cache = self.ns.cache
         if cache is not None and not cache.admit(len(buf)):
             await cache.reserve(len(buf))  # backpressure: wait for the drain to make room
-        if fh in self.unpriv_direct:
-            # what file_remove_privs() does for a cached write (with the opener standing in
-            # for the writer, whom a write request does not name)
-            self.ns.drop_setid(fh)
+        if fh in self.unpriv_direct and self.ns.drop_setid(fh):
+            # What file_remove_privs() does for a cached write (the opener stands in for the
+            # writer, whom a write request does not name). The kernel caches the mode and a
+            # direct write marks only size and times stale: drop its copy now, before the
+            # reply (attributes only, which takes no page or inode locks).
+            try:
+                pyfuse3.invalidate_inode(fh, True)
+            except OSError:
+                pass  # the kernel does not know the inode (anymore): nothing cached
         return self.ns.write(fh, off, buf)
 
     # No flush(): every write is in the log before it is acknowledged, so a close has nothing

@@ -373,15 +373,18 @@ class Namespace:
         self.last_write_ns = time.time_ns()
         return n
 
-    def drop_setid(self, ino: int) -> None:
+    def drop_setid(self, ino: int) -> bool:
         """A write by an unprivileged process clears setuid, and setgid where it means
-        something (group execute set), as the kernel's should_remove_suid() does."""
+        something (group execute set), as the kernel's should_remove_suid() does. True if
+        the mode changed."""
         mode = self.inode(ino).mode
         kill = mode & stat.S_ISUID
         if mode & stat.S_ISGID and mode & stat.S_IXGRP:
             kill |= stat.S_ISGID
         if kill and stat.S_ISREG(mode):
             self.setattr(ino, mode=mode & ~kill)
+            return True
+        return False
 
     def _forget_small_writes(self) -> None:
         """Bound the per-file counters (a storm of files with one small write each would

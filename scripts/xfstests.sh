@@ -33,6 +33,7 @@ id fsgqa >/dev/null 2>&1 || useradd -m fsgqa
 
 work=$(mktemp -d /tmp/ckptfs-xfstests.XXXXXX)
 mkdir -p "$work/test" "$work/scratch" "$work/dev"
+chmod 0755 "$work"  # the suite runs commands as fsgqa below it
 cleanup() {
     cd /
     for m in "$work/test" "$work/scratch"; do
@@ -47,6 +48,9 @@ trap cleanup EXIT
 cat > "$helper" <<EOF
 #!/bin/sh
 # mount -t fuse.ckptfs DEV MNT [-o options]: a ckptfs for xfstests (scripts/xfstests.sh)
+case "\$*" in
+*remount*) exec mount -i "\$@" ;;  # ro/rw: the kernel flips the flag, as mount.ckptfs does
+esac
 mkdir -p "$work/dev/\$1/nvme" "$work/dev/\$1/shared"
 exec "$ckptfs" mount --fsname "\$1" --allow-other --log-level warning \\
     "$work/dev/\$1/nvme" "$work/dev/\$1/shared" "\$2" >/dev/null

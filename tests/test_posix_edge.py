@@ -670,6 +670,11 @@ def test_files_get_the_callers_uid_and_gid_and_writes_strip_setid(make_mount: Ma
     assert out["write_other"] == "ok"  # its own file
     assert out["unlink_root_file_in_sticky"] == "EPERM", out  # sticky dir, not the owner
     assert out["write_setid"] == out["write_setgid_noexec"] == "ok", out
+    # coreutils' stat asks the kernel for the mode alone (statx mask): its cached copy must
+    # have been dropped, not only the size and times a write makes stale
+    mode_only = subprocess.run(["stat", "-c", "%a", str(shared / "setid")],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    assert mode_only == "777"
     assert stat.S_IMODE(os.stat(shared / "setid").st_mode) == 0o777
     assert stat.S_IMODE(os.stat(shared / "setgid-noexec").st_mode) == 0o2666
     for name in ("file-1000", "dir-1000"):
