@@ -23,6 +23,11 @@ from ckptfs.namespace import Namespace
 
 log = logging.getLogger(__name__)
 
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+# A file handle is the inode number plus what kind of open it came from.
+FH_UNCACHED = 1 << 62  # writes bypass the page cache (direct_io or O_DIRECT)
+FH_UNPRIV = 1 << 61  # direct_io opened by a process other than root
+FH_INO = (1 << 56) - 1
 ENTRY_TIMEOUT = 5.0
 ATTR_TIMEOUT = 5.0
 CONTROL_XATTRS = (b"user.ckptfs.control", b"user.ckptfs.pid")
@@ -86,10 +91,12 @@ class Operations(pyfuse3.Operations):
         self.on_fsync = on_fsync
         self.remote_limiter = trio.CapacityLimiter(8)
         self.direct_writes = True
+        # inodes written around the page cache since their last cached open, and how many
+        # such writers each has open now
         self.written_direct: set[int] = set()
-        # files open for direct writing by a process that is not root: the kernel strips
-        # setuid/setgid on a cached write but leaves it to us on a direct one
-        self.unpriv_direct: set[int] = set()
+        self.uncached_writers: dict[int, int] = {}
+        self.dir_handles: dict[int, tuple[int, int]] = {}  # fh -> (ino, last cookie then)
+        self.next_dir_fh = 0
 
     # --- lookups --------------------------------------------------------------------------
 
@@ -169,21 +176,33 @@ class Operations(pyfuse3.Operations):
         """Write-only opens (how checkpoints are written) bypass the page cache: the kernel
         hands our buffers over in max_write requests instead of copying them through its cache
         first (about 2x for a storm of files: PERF-NOTES). Everything else keeps the page
-        cache, so mmap and repeated reads work; a cached open after direct writes drops the
-        pages it may hold from before them. O_DIRECT needs no FUSE direct_io: the kernel then
-        sends its reads and writes straight to us itself, and, unlike under direct_io, a
-        MAP_SHARED mmap of the same descriptor still works (as fsx -Z expects)."""
-        fi = pyfuse3.FileInfo(fh=ino)
+        cache, so mmap and repeated reads work. O_DIRECT needs no FUSE direct_io: the kernel
+        then sends its reads and writes straight to us itself, and, unlike under direct_io, a
+        MAP_SHARED mmap of the same descriptor still works (as fsx -Z expects).
+
+        A cached open drops the pages the kernel may hold if the file was written around the
+        cache since the last cached open, or still has such a writer open (xfstests
+        generic/451: buffered readers racing direct writers). The handle is the inode number
+        plus flag bits (FH_*), so that write and release know what kind of open it was."""
+        fh = ino
+        writes = flags & os.O_ACCMODE != os.O_RDONLY
         direct = self.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY
+        fi = pyfuse3.FileInfo()
         fi.direct_io = direct
-        if direct:
+        if direct or (writes and flags & O_DIRECT):
+            fh |= FH_UNCACHED
+            self.uncached_writers[ino] = self.uncached_writers.get(ino, 0) + 1
             self.written_direct.add(ino)
             fi.keep_cache = True
-            if uid != 0:
-                self.unpriv_direct.add(ino)
+            if direct and uid != 0:
+                # The kernel strips setuid/setgid before a cached or O_DIRECT write by an
+                # unprivileged process, but leaves it to us under direct_io.
+                fh |= FH_UNPRIV
         else:
             fi.keep_cache = ino not in self.written_direct
-            self.written_direct.discard(ino)
+            if not self.uncached_writers.get(ino):
+                self.written_direct.discard(ino)
+        fi.fh = fh
         return fi
 
     @fuse_errors
@@ -199,7 +218,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        exts, fsize, local = self.ns.read_plan(fh, off, size)
+        exts, fsize, local = self.ns.read_plan(fh & FH_INO, off, size)
         if local:  # page-cache speed: a thread hop would cost more than it saves
             return self.ns.reader.read(exts, off, size, fsize, scratch=True)
         data = self.ns.reader.read_cached(exts, off, size, fsize)
@@ -213,16 +232,17 @@ class Operations(pyfuse3.Operations):
         cache = self.ns.cache
         if cache is not None and not cache.admit(len(buf)):
             await cache.reserve(len(buf))  # backpressure: wait for the drain to make room
-        if fh in self.unpriv_direct and self.ns.drop_setid(fh):
+        ino = fh & FH_INO
+        if fh & FH_UNPRIV and self.ns.drop_setid(ino):
             # What file_remove_privs() does for a cached write (the opener stands in for the
             # writer, whom a write request does not name). The kernel caches the mode and a
             # direct write marks only size and times stale: drop its copy now, before the
             # reply (attributes only, which takes no page or inode locks).
             try:
-                pyfuse3.invalidate_inode(fh, True)
+                pyfuse3.invalidate_inode(ino, True)
             except OSError:
                 pass  # the kernel does not know the inode (anymore): nothing cached
-        return self.ns.write(fh, off, buf)
+        return self.ns.write(ino, off, buf)
 
     # No flush(): every write is in the log before it is acknowledged, so a close has nothing
     # to hand over. The base class answers ENOSYS, after which the kernel stops sending FLUSH
@@ -230,9 +250,12 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def release(self, fh: int) -> None:
-        self.ns.release(fh)
-        if fh not in self.ns.opens:
-            self.unpriv_direct.discard(fh)
+        ino = fh & FH_INO
+        if fh & FH_UNCACHED:
+            left = self.uncached_writers.pop(ino, 1) - 1
+            if left > 0:
+                self.uncached_writers[ino] = left
+        self.ns.release(ino)
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -245,28 +268,41 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def opendir(self, inode: int, ctx: Any) -> int:
+        """A directory handle remembers the highest cookie the directory had when it was
+        opened, and readdir on it stops there. A rename gives the entry a new, higher cookie
+        (the end of the listing), so without that bound a loop renaming each entry it reads
+        (away and back) would meet every entry again, forever (xfstests generic/736). POSIX
+        leaves entries added after opendir unspecified; every entry there at opendir is
+        listed unless removed or renamed before the listing reaches it. A rewind (offset 0)
+        takes a fresh bound, as POSIX wants of rewinddir(3)."""
         node = self.ns.inode(inode)
         if not stat.S_ISDIR(node.mode):
             raise FsError(errno.ENOTDIR)
-        return inode
+        self.next_dir_fh += 1
+        self.dir_handles[self.next_dir_fh] = (inode, self.ns.index.last_cookie(inode))
+        return self.next_dir_fh
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        ino, upto = self.dir_handles[fh]
+        if start_id == 0:  # (re)starting, rewinddir(3) included: the directory as it is now
+            upto = self.ns.index.last_cookie(ino)
+            self.dir_handles[fh] = (ino, upto)
         # offsets: 1 after ".", 2 after "..", then each entry's cookie + 2
         if start_id < 2:
-            dots = [(1, b".", fh), (2, b"..", self.ns.dir_parent.get(fh, fh))][start_id:]
-            for off, name, ino in dots:
+            dots = [(1, b".", ino), (2, b"..", self.ns.dir_parent.get(ino, ino))][start_id:]
+            for off, name, child in dots:
                 # the kernel takes no lookup reference for these two
-                if not pyfuse3.readdir_reply(token, name, entry(self.ns.inode(ino)), off):
+                if not pyfuse3.readdir_reply(token, name, entry(self.ns.inode(child)), off):
                     return
-        for cookie, name, node in self.ns.readdir(fh, max(start_id - 2, 0)):
+        for cookie, name, node in self.ns.readdir(ino, max(start_id - 2, 0), upto):
             if not pyfuse3.readdir_reply(token, name, entry(node), cookie + 2):
                 return
             self.ns.lookups[node.ino] = self.ns.lookups.get(node.ino, 0) + 1
 
     @fuse_errors
     async def releasedir(self, fh: int) -> None:
-        return None
+        self.dir_handles.pop(fh, None)
 
     @fuse_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:

@@ -297,6 +297,17 @@ class Index:
                 if child is not None:
                     yield cookie, bytes(name), child
 
+    def last_cookie(self, parent: int) -> int:
+        """The highest cookie in `parent` (0 if it is empty)."""
+        with self.txn.cursor(db=self.cookies) as c:
+            if c.set_range(KEY2.pack(parent + 1, 0)):
+                if not c.prev():
+                    return 0
+            elif not c.last():
+                return 0
+            p, cookie = KEY2.unpack(c.key())
+            return cookie if p == parent else 0
+
     def dir_is_empty(self, ino: int) -> bool:
         with self.txn.cursor(db=self.cookies) as c:
             if not c.set_range(KEY2.pack(ino, 0)):
@@ -465,6 +476,10 @@ class Index:
                 self.txn.delete(key, db=self.xattrs)
             else:
                 self.txn.put(key, value, db=self.xattrs)
+            node = self.get_inode(rec.ino)
+            if node is not None:  # an xattr change is an inode change (xfstests generic/728)
+                node.ctime_ns = rec.time_ns
+                self.put_inode(node)
         # SEAL changes nothing in the namespace
         self.applied = (seg, rec.pos + rec.size, rec.seq)
         self.dirty += 1

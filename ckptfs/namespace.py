@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import xxhash
@@ -474,13 +475,16 @@ class Namespace:
 
     # --- directories ----------------------------------------------------------------------
 
-    def readdir(self, ino: int, after: int) -> list[tuple[int, bytes, Inode]]:
-        out = []
+    def readdir(self, ino: int, after: int, upto: int | None = None
+                ) -> Iterator[tuple[int, bytes, Inode]]:
+        """Entries of `ino` with a cookie above `after` (and not above `upto`), lazily: a
+        READDIR reply holds a few dozen of them, however big the directory."""
         for cookie, name, child in self.index.readdir(ino, after):
+            if upto is not None and cookie > upto:
+                return
             node = self.index.get_inode(child)
             if node is not None:
-                out.append((cookie, name, node))
-        return out
+                yield cookie, name, node
 
     # --- xattrs ---------------------------------------------------------------------------
 

@@ -108,6 +108,35 @@ def test_readdir_lists_dot_and_dotdot_with_their_inodes_and_pages_exactly(mount:
     assert sorted(os.listdir(mount.mnt / "c" / "b")) == sorted(names)  # Python hides the dots
 
 
+def test_readdir_while_renaming_each_entry_ends_and_a_rewind_sees_new_entries(
+        mount: Mount) -> None:
+    """xfstests generic/736: rename every entry away and back while reading the directory.
+    Each rename puts the entry at the end of the listing; the listing must still end."""
+    d = mount.mnt / "ren"
+    d.mkdir()
+    n = 3000
+    for i in range(n):
+        (d / str(i)).touch()
+    seen = 0
+    with os.scandir(d) as it:
+        for e in it:
+            seen += 1
+            assert seen <= 3 * n, "readdir does not end"
+            os.rename(d / e.name, d / "TEMP")
+            os.rename(d / "TEMP", d / e.name)
+    assert seen >= n
+    assert sorted(os.listdir(d), key=int) == [str(i) for i in range(n)]
+    # One open directory, listed twice: CPython's listdir(fd) rewinds it after each listing,
+    # and a rewound stream shows entries created since it was opened.
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert len(os.listdir(fd)) == n
+        (d / "new").touch()
+        assert "new" in os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
 def test_deep_nesting_beyond_path_max(mount: Mount) -> None:
     """A tree whose full paths exceed PATH_MAX (4096) several times over, built and read back
     with dir_fd-relative calls and with chdir."""
@@ -553,6 +582,39 @@ def test_chmod_chown_utime_ns_precision(mount: Mount) -> None:
     check()
     assert stat.S_IMODE(os.stat(p).st_mode) == 0o1777
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o1777
+
+
+def test_xattrs_round_trip_move_ctime_and_survive_sigkill(mount: Mount) -> None:
+    f = mount.mnt / "x"
+    f.write_bytes(b"data")
+    c0 = os.stat(f).st_ctime_ns
+    time.sleep(0.01)
+    os.setxattr(f, "user.a", b"1")
+    os.setxattr(f, "user.b", b"\x00" * 65536)  # the largest value
+    c1 = os.stat(f).st_ctime_ns
+    assert c1 > c0, "setxattr must change ctime"
+    assert os.getxattr(f, "user.a") == b"1"
+    assert sorted(os.listxattr(f)) == ["user.a", "user.b"]
+    with pytest.raises(OSError) as exc:
+        os.getxattr(f, "user.none")
+    check_errno(exc.value, errno.ENODATA)
+    with pytest.raises(OSError) as exc:
+        os.setxattr(f, "user.big", b"v" * 65537)
+    check_errno(exc.value, errno.E2BIG)
+    with pytest.raises(OSError) as exc:
+        os.setxattr(f, "user." + "n" * 251, b"v")  # a 256-byte name
+    check_errno(exc.value, errno.ERANGE)
+    with pytest.raises(OSError) as exc:
+        os.setxattr(f, "user.a", b"2", os.XATTR_CREATE)
+    check_errno(exc.value, errno.EEXIST)
+    time.sleep(0.01)
+    os.removexattr(f, "user.b")
+    assert os.stat(f).st_ctime_ns > c1, "removexattr must change ctime"
+    os.setxattr(f, "user.a", b"acknowledged")
+    mount.kill()  # an acknowledged xattr change survives a SIGKILL of the daemon
+    mount.remount()
+    assert os.listxattr(f) == ["user.a"]
+    assert os.getxattr(f, "user.a") == b"acknowledged"
 
 
 def test_cp_a_into_the_mount_keeps_modes_and_acls_are_not_stored(mount: Mount,
