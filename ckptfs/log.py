@@ -1,14 +1,24 @@
 """The segment log on NVMe: append records, group-commit fsyncs, seal full or idle segments.
 
-Appends are plain pwritev calls on the trio thread: once a record is in the kernel's page cache
-it survives a SIGKILL of the daemon, which is the first half of the promise. fsync() is the
-second half: `sync()` makes every record appended so far durable with one fdatasync per segment
-touched, shared by every caller waiting at the same time (group commit).
+Appends are synchronous writes on the trio thread: once a record is in the kernel (its page
+cache, or on the device) it survives a SIGKILL of the daemon, which is the first half of the
+promise. fsync() is the second half: `sync()` makes every record appended so far durable with
+one fdatasync per segment touched, shared by every caller waiting at the same time (group commit).
+
+Big data records (DIRECT_MIN and up) bypass the page cache: the record is assembled in one
+reused, aligned staging buffer and written with O_DIRECT, starting and ending on a 4 KiB
+boundary (PAD records fill the gaps; docs/format.md). Copying checkpoint bytes into fresh page
+cache pages cost this one thread more CPU than everything else on the write path together, and
+the fdatasync behind an fsync() then had nothing left to write back. Small records stay
+buffered: an O_DIRECT write waits for the device, which a create or a 4 KiB append should not.
+Filesystems that refuse O_DIRECT (tmpfs, some network filesystems) get buffered appends only.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,6 +32,10 @@ log = logging.getLogger(__name__)
 
 GROUP_YIELDS = int(os.environ.get("CKPTFS_GROUP_YIELDS", "2"))
 RATE_WINDOW = 0.5
+# WRITE/RELOC payloads this big go to the disk with O_DIRECT (0 = never)
+DIRECT_MIN = int(os.environ.get("CKPTFS_DIRECT_MIN", str(128 << 10)))
+ALIGN = 4096  # file offsets, lengths and buffer addresses of direct writes
+_DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 
 
 @dataclass
@@ -31,6 +45,8 @@ class LogStats:
     data_bytes: int = 0
     flushes: int = 0
     sync_calls: int = 0
+    direct_records: int = 0  # records written around the page cache
+    pad_bytes: int = 0  # PAD records that align them
     seals: dict[str, int] = field(default_factory=lambda: {"size": 0, "idle": 0, "wait": 0,
                                                             "recovery": 0, "shutdown": 0})
 
@@ -44,6 +60,9 @@ class SegmentLog:
         self.dir_fd = os.open(seg_dir, os.O_RDONLY | os.O_DIRECTORY)
         self.seg_id = 0  # active segment, 0 = none open
         self.fd = -1
+        self.dfd = -1  # O_DIRECT descriptor of the active segment (-1: none / not supported)
+        self.direct_min = DIRECT_MIN
+        self._stage: mmap.mmap | None = None  # aligned buffer for direct records
         self.tail = 0
         self.seq = 0
         self.id_floor = 0  # segment ids at or below this are taken (on the shared store)
@@ -82,10 +101,30 @@ class SegmentLog:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         os.pwrite(self.fd, fmt.segment_header(self.seg_id, self.node_id, time.time_ns()), 0)
         self.tail = fmt.SEGMENT_HEADER_SIZE
+        self._open_direct(path)
         self.rows = bytearray()
         self._dir_dirty = True  # the new name must reach the disk before an fsync returns
 
+    def _open_direct(self, path: str) -> None:
+        if self.direct_min <= 0 or not hasattr(os, "O_DIRECT"):
+            return
+        try:
+            self.dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError as e:
+            self._no_direct(f"cannot open {path} with O_DIRECT: {e.strerror}")
+
+    def _no_direct(self, why: str) -> None:
+        log.info("log appends stay in the page cache: %s", why)
+        self.direct_min = 0
+        self._close_direct()
+
+    def _close_direct(self) -> None:
+        if self.dfd >= 0:
+            os.close(self.dfd)
+            self.dfd = -1
+
     def close(self) -> None:
+        self._close_direct()
         for fd in self._unsynced:
             os.fdatasync(fd)
             os.close(fd)
@@ -106,14 +145,16 @@ class SegmentLog:
             self._open_new()
         now = time.time_ns() if time_ns is None else time_ns
         self.seq += 1
-        parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
-        pos = self.tail
         size = fmt.record_size(len(payload))
-        n = os.pwritev(self.fd, parts, pos)
-        if n != size:  # ENOSPC mid-record: leave the tail where it was, never a torn record
-            raise OSError(28, "short write to the log")
-        self.tail = pos + size
-        csum = fmt.CSUM.unpack_from(parts[0], fmt.RECORD_HEADER.size)[0]
+        placed = None
+        if self.dfd >= 0 and len(payload) >= self.direct_min and rtype in _DIRECT_TYPES:
+            placed = self._append_direct(rtype, ino, offset, now, payload, size)
+        if placed is None:
+            parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
+            placed = (parts[0], self.tail)
+            self._pwritev(parts, size)
+        head, pos = placed
+        csum = fmt.CSUM.unpack_from(head, fmt.RECORD_HEADER.size)[0]
         rec = Record(rtype, ino, offset, now, self.seq, payload, pos, len(payload), csum)
         if rtype != RecType.SEAL:
             self.rows += fmt.seal_row(rec)
@@ -129,6 +170,65 @@ class SegmentLog:
         if rtype == RecType.WRITE:
             st.data_bytes += len(payload)
         return self.seg_id, rec
+
+    def _pwritev(self, parts: list, size: int) -> None:
+        """Buffered append at the tail."""
+        n = os.pwritev(self.fd, parts, self.tail)
+        if n != size:  # ENOSPC mid-record: leave the tail where it was, never a torn record
+            raise OSError(errno.ENOSPC, "short write to the log")
+        self.tail += size
+
+    def _pad(self, gap: int) -> None:
+        """A buffered PAD record filling `gap` bytes (>= a record header) from the tail."""
+        body = fmt.pad_body(gap)
+        self._pwritev(fmt.encode_record(RecType.PAD, 0, 0, 0, 0, body), gap)
+        self.stats.pad_bytes += gap
+
+    def _append_direct(self, rtype: int, ino: int, offset: int, now: int,
+                       payload: bytes | memoryview, size: int) -> tuple[bytes, int] | None:
+        """Write one record with O_DIRECT from the staging buffer: (header, position), or
+        None if it must go the buffered way after all (nothing of it was written then).
+
+        The record starts on an ALIGN boundary (a buffered PAD before it fills the gap from
+        the tail) and a PAD after it, in the same write, runs to the next boundary, so no
+        direct write shares a page with buffered records: the kernel has no cached page to
+        write back or invalidate first, and the next buffered append starts a fresh page.
+        """
+        gap = fmt.pad_gap(self.tail, ALIGN)
+        if gap:
+            self._pad(gap)
+        trail = fmt.pad_gap(self.tail + size, ALIGN)
+        total = size + trail
+        if self._stage is None or len(self._stage) < total:
+            if self._stage is not None:
+                self._stage.close()
+            self._stage = mmap.mmap(-1, max(total, (1 << 20) + 2 * ALIGN))
+        stage = self._stage
+        head = fmt.encode_header(rtype, ino, offset, now, self.seq, payload)
+        n = len(payload)
+        stage[:fmt.RECORD_HEADER_SIZE] = head
+        stage[fmt.RECORD_HEADER_SIZE:fmt.RECORD_HEADER_SIZE + n] = payload
+        stage[fmt.RECORD_HEADER_SIZE + n:size] = fmt.ZEROS[:size - fmt.RECORD_HEADER_SIZE - n]
+        if trail:
+            body = fmt.pad_body(trail)
+            stage[size:size + fmt.RECORD_HEADER_SIZE] = fmt.encode_header(
+                RecType.PAD, 0, 0, 0, 0, body)
+            stage[size + fmt.RECORD_HEADER_SIZE:total] = body
+        with memoryview(stage) as mv:
+            try:
+                done = os.pwritev(self.dfd, [mv[:total]], self.tail)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._no_direct(f"O_DIRECT write refused: {e.strerror}")
+                return None
+        if done != total:
+            raise OSError(errno.ENOSPC, "short write to the log")
+        pos = self.tail
+        self.tail += total
+        self.stats.direct_records += 1
+        self.stats.pad_bytes += trail
+        return head, pos
 
     def write_rate(self) -> float:
         """Bytes/s appended recently (0 once writes stopped for a window)."""
@@ -166,6 +266,7 @@ class SegmentLog:
         size = self.tail
         self._unsynced.append(self.fd)
         self.fd = -1
+        self._close_direct()
         self.rows = bytearray()
         self.stats.seals[reason] = self.stats.seals.get(reason, 0) + 1
         log.info("sealed segment %s (%d bytes, %s)", fmt.segment_name(seg_id), size, reason)

@@ -26,7 +26,8 @@ from typing import BinaryIO, Callable, Iterator
 import xxhash
 
 SEGMENT_MAGIC = b"CKPTSEG1"
-SEGMENT_VERSION = 1
+SEGMENT_VERSION = 2  # 2: may contain PAD records (version 1 segments are read as before)
+READABLE_VERSIONS = (1, 2)
 # magic, version u32, reserved u32, segment id u64, created time_ns i64, node id (16 bytes,
 # NUL padded), header csum u64 (xxh3_64 of the preceding 48 bytes), reserved 8 bytes.
 SEGMENT_HEADER = struct.Struct("<8sIIQq16sQ8x")
@@ -60,10 +61,12 @@ class RecType:
     REF = 11  # ino, offset; payload = REF_BODY: data identical to an earlier WRITE record's
     TIER = 12  # payload = JSON {"seg": id, "tier": "cold"}: a published segment moved tiers
     LINK = 13  # ino: a new directory entry for an existing file (hard link); payload = LinkBody
+    PAD = 14  # payload = zeros: fills the log up to a 4 KiB boundary around direct writes;
+    #           readers skip it; ino, offset, time and seq are 0; never in a SEAL table
 
     NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
              7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC", 11: "REF", 12: "TIER",
-             13: "LINK"}
+             13: "LINK", 14: "PAD"}
 
 
 DATA_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -129,7 +132,23 @@ def encode_header(rtype: int, ino: int, offset: int, time_ns: int, seq: int,
     return head + CSUM.pack(h.intdigest())
 
 
-_ZEROS = bytes(8)
+ZEROS = bytes(8192)
+_ZEROS = ZEROS[:8]
+
+
+def pad_gap(pos: int, align: int) -> int:
+    """Bytes of PAD record needed from `pos` (8-aligned) to the next multiple of `align`:
+    0 if already there, else at least a record header (so one more `align` if the gap is
+    shorter than that)."""
+    gap = -pos % align
+    if gap and gap < RECORD_HEADER_SIZE:
+        gap += align
+    return gap
+
+
+def pad_body(gap: int) -> memoryview:
+    """The zero payload of a PAD record `gap` bytes long in all."""
+    return memoryview(ZEROS)[:gap - RECORD_HEADER_SIZE]
 
 
 def encode_record(rtype: int, ino: int, offset: int, time_ns: int, seq: int,
@@ -187,7 +206,7 @@ def parse_segment_header(buf: bytes, path: str) -> tuple[int, int, str]:
         raise CorruptRecord(path, 0, "not a ckptfs segment (bad magic)")
     if xxhash.xxh3_64_intdigest(buf[:48]) != csum:
         raise CorruptRecord(path, 0, "segment header checksum mismatch")
-    if version != SEGMENT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CorruptRecord(path, 0, f"unsupported segment version {version}")
     return seg_id, created, node.rstrip(b"\0").decode(errors="replace")
 
@@ -325,6 +344,9 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                 h.update(payload)
                 if len(payload) != length or h.intdigest() != csum:
                     bad = "checksum mismatch"
+                elif rtype == RecType.PAD:
+                    pos = res.end = pos + record_size(length)
+                    continue
                 else:
                     res.records += 1
                     rec = Record(rtype, ino, offset, time_ns, seq,

@@ -28,6 +28,7 @@ import re
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
 
@@ -86,11 +87,15 @@ class RateLimiter:
 class SharedStore:
     """A POSIX directory as the shared tier. Methods block: call them from worker threads."""
 
-    def __init__(self, shared: str):
+    def __init__(self, shared: str, streams: int = 2):
         self.base = shared
         self.root = os.path.join(shared, layout.SHARED_ROOT)
         self.ops: dict[str, int] = {}
         self._ops_lock = threading.Lock()
+        # object copies running at once, whatever the batches: a batch's objects are copied
+        # side by side (one stream per object is latency-bound on a network filesystem)
+        self.streams = max(1, streams)
+        self._copy_slots = threading.BoundedSemaphore(self.streams)
         self.bytes_uploaded = 0
         self.bytes_read = 0
         self._known_dirs: set[str] = set()
@@ -210,7 +215,13 @@ class SharedStore:
 
     def _copy_into(self, seg: int, src: str, dest: str, limiter: RateLimiter | None,
                    progress: Callable[[int, int], None] | None) -> int:
-        """Create `dest` (must not exist), copy `src` into it, fsync it."""
+        """Create `dest` (must not exist), copy `src` into it, fsync it; at most `streams`
+        copies run at once."""
+        with self._copy_slots:
+            return self._copy_one(seg, src, dest, limiter, progress)
+
+    def _copy_one(self, seg: int, src: str, dest: str, limiter: RateLimiter | None,
+                  progress: Callable[[int, int], None] | None) -> int:
         size = 0
         with open(src, "rb", buffering=0) as inp:
             total = os.fstat(inp.fileno()).st_size
@@ -227,7 +238,8 @@ class SharedStore:
                     if n == 0:
                         raise OSError(5, f"{src} ended at {size} of {total} bytes")
                     size += n
-                    self.bytes_uploaded += n
+                    with self._ops_lock:
+                        self.bytes_uploaded += n
                     if progress is not None:
                         progress(seg, n)
                 self._op("fsync")
@@ -266,9 +278,7 @@ class SharedStore:
             _remove(tmp)  # a previous attempt of this process
             self._op("mkdir")
             os.mkdir(tmp, 0o755)
-            for seg, src in items:
-                sizes.append(self._copy_into(seg, src, os.path.join(tmp, fmt.segment_name(seg)),
-                                             limiter, progress))
+            sizes = self._copy_all(items, tmp, limiter, progress)
             self._op("fsync_dir")
             layout.fsync_dir(tmp)  # the objects' names inside it
         except BaseException:
@@ -281,6 +291,24 @@ class SharedStore:
         for seg in segs:
             self._where[(node, seg)] = os.path.join(d, dname, fmt.segment_name(seg))
         return sizes
+
+    def _copy_all(self, items: list[tuple[int, str]], into: str, limiter: RateLimiter | None,
+                  progress: Callable[[int, int], None] | None) -> list[int]:
+        """Copy every segment of a batch into the directory `into`, up to `streams` side by
+        side. Returns once every copy has ended (none still writes into `into`), raising the
+        first error if any failed."""
+        def one(item: tuple[int, str]) -> int:
+            seg, src = item
+            return self._copy_into(seg, src, os.path.join(into, fmt.segment_name(seg)),
+                                   limiter, progress)
+
+        if self.streams == 1 or len(items) == 1:
+            return [one(item) for item in items]
+        with ThreadPoolExecutor(min(self.streams, len(items)),
+                                thread_name_prefix="ckptfs-copy") as pool:
+            futures = [pool.submit(one, item) for item in items]
+            wait(futures)
+        return [f.result() for f in futures]
 
     def object_ok(self, node: str, seg: int, size: int) -> bool:
         """A published object of this size with a valid footer exists (crash after rename).
@@ -467,7 +495,7 @@ def open_store(location: str, streams: int = 4) -> "SharedStore":
         from ckptfs.s3 import S3Store
 
         return S3Store(location, streams=streams)  # type: ignore[return-value]
-    return SharedStore(os.path.abspath(location))
+    return SharedStore(os.path.abspath(location), streams)
 
 
 def describe_oserror(e: OSError) -> str:
