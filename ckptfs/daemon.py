@@ -28,7 +28,7 @@ from ckptfs.drain import PUBLISHED_DIR
 from ckptfs.index import ROOT_INO, Index, IndexCommitError, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
 from ckptfs.shared import PUBLISH_BATCH, SharedError, SharedStore, check_node_id, open_store
-from ckptfs.log import SegmentLog
+from ckptfs.log import PIPELINE, SegmentLog
 from ckptfs.namespace import Namespace
 from ckptfs.reads import Reader
 from ckptfs.recovery import replay
@@ -332,6 +332,14 @@ class Daemon:
             self.metrics.fsync_latency.observe(seconds)
 
     async def run(self) -> None:
+        if PIPELINE:  # data records go to the disk while the trio thread serves others
+            self.seglog.token = trio.lowlevel.current_trio_token()
+        try:
+            await self._run()
+        finally:
+            self.seglog.token = None  # what is still queued, shutdown() joins the plain way
+
+    async def _run(self) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.drain.run)
             nursery.start_soon(self.refresher.run)
@@ -555,6 +563,8 @@ class Daemon:
             "fsync_mean_ms": round(1000 * self.fsync_seconds / self.fsync_count, 3)
             if self.fsync_count else None, "log_syncs": st.sync_calls,
             "device_flushes": st.flushes, "log_unsynced_bytes": self.seglog.unsynced_bytes(),
+            "log_direct_records": st.direct_records, "log_pad_bytes": st.pad_bytes,
+            "log_queued": len(self.seglog.queued),
             "seals": st.seals, "segments": by_state, "active_segment_bytes": self.seglog.tail
             if self.seglog.fd >= 0 else 0,
             "local_bytes_used": local_bytes, "local_bytes_free": du.free,

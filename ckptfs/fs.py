@@ -242,7 +242,16 @@ class Operations(pyfuse3.Operations):
                 pyfuse3.invalidate_inode(ino, True)
             except OSError:
                 pass  # the kernel does not know the inode (anymore): nothing cached
-        return self.ns.write(ino, off, buf)
+        n = self.ns.write(ino, off, buf)
+        job = self.ns.log.submitted
+        while job is not None:
+            # this write's record is queued for the log's writer thread: serve other requests
+            # meanwhile, answer once it is on the disk (and in the index)
+            if not await self.ns.log.settle(job):
+                break
+            n = self.ns.write(ino, off, buf)  # not written (see settle): once more
+            job = self.ns.log.submitted
+        return n
 
     # No flush(): every write is in the log before it is acknowledged, so a close has nothing
     # to hand over. The base class answers ENOSYS, after which the kernel stops sending FLUSH

@@ -214,7 +214,9 @@ class Collector:
         moved = 0
         for ino, e in moves:
             data = bytes(await trio.to_thread.run_sync(ns.reader.read_extent, e, 0, e.length))
-            # the file may have changed while we read: move only what is still there
+            # the file may have changed while we read: move only what is still there (a big
+            # write still on its way to the disk counts: join() applies it first)
+            ns.log.join()
             cur = self.index.extents_in(ino, e.start, e.end)
             if len(cur) != 1 or cur[0] != e:
                 continue

@@ -16,11 +16,15 @@ Filesystems that refuse O_DIRECT (tmpfs, some network filesystems) get buffered 
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import mmap
 import os
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -35,7 +39,47 @@ RATE_WINDOW = 0.5
 # WRITE/RELOC payloads this big go to the disk with O_DIRECT (0 = never)
 DIRECT_MIN = int(os.environ.get("CKPTFS_DIRECT_MIN", str(128 << 10)))
 ALIGN = 4096  # file offsets, lengths and buffer addresses of direct writes
+# the daemon lets data records complete on the writer thread (0: the trio thread writes them)
+PIPELINE = os.environ.get("CKPTFS_PIPELINE", "1") != "0"
+PIPELINE_DEPTH = 8  # data records queued for the writer thread at most
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
+
+
+class Cancelled(OSError):
+    """An earlier queued write failed, so this one was not attempted."""
+
+
+class LogWrite:
+    """One write of the log queued for the writer thread: a data record (direct, from a
+    staging buffer, or buffered) or a PAD. See SegmentLog.append(later=...)."""
+
+    __slots__ = ("rtype", "ino", "offset", "time_ns", "seq", "payload_len", "head", "pos",
+                 "size", "trail", "bufs", "nbytes", "fd", "later", "stage", "done", "event",
+                 "token", "written", "error", "retry")
+
+    def __init__(self, fd: int, pos: int, bufs: list, nbytes: int,
+                 token: trio.lowlevel.TrioToken):
+        self.fd, self.pos, self.bufs, self.nbytes, self.token = fd, pos, bufs, nbytes, token
+        self.rtype = RecType.PAD
+        self.ino = self.offset = self.time_ns = self.seq = self.payload_len = 0
+        self.head = b""
+        self.size = nbytes
+        self.trail = 0
+        self.later: Callable[[int, Record], None] | None = None
+        self.stage = -1  # staging buffer in use, or -1
+        self.done = threading.Event()  # the writer thread finished with it (either way)
+        self.event = trio.Event()  # the same, for trio tasks
+        self.written = 0
+        self.error: OSError | None = None
+        self.retry = False  # not written: append it again (O_DIRECT refused, or cancelled)
+
+    async def wait(self) -> None:
+        if self.done.is_set():
+            return
+        if trio.lowlevel.current_trio_token() is self.token:
+            await self.event.wait()
+        else:  # queued under another trio run, which the writer thread wakes: not this one
+            await trio.to_thread.run_sync(self.done.wait)
 
 
 @dataclass
@@ -62,7 +106,17 @@ class SegmentLog:
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the active segment (-1: none / not supported)
         self.direct_min = DIRECT_MIN
-        self._stage: mmap.mmap | None = None  # aligned buffer for direct records
+        # aligned staging buffers for direct records, one per queued record at most
+        self._stages: list[tuple[mmap.mmap, memoryview] | None] = [None] * (PIPELINE_DEPTH + 1)
+        self._free_stages = list(range(PIPELINE_DEPTH + 1))
+        # set by the daemon inside trio: data records may then be written by the writer
+        # thread, in order, while the trio thread serves other requests (append(later=...))
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.queued: collections.deque[LogWrite] = collections.deque()
+        self.submitted: LogWrite | None = None  # the data record the last append queued
+        self._halt = False  # a queued write failed: the writer skips the rest (Cancelled)
+        self._jobs: queue.SimpleQueue[LogWrite | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self.tail = 0
         self.seq = 0
         self.id_floor = 0  # segment ids at or below this are taken (on the shared store)
@@ -124,6 +178,11 @@ class SegmentLog:
             self.dfd = -1
 
     def close(self) -> None:
+        self.join()
+        if self._writer is not None:
+            self._jobs.put(None)
+            self._writer.join()
+            self._writer = None
         self._close_direct()
         for fd in self._unsynced:
             os.fdatasync(fd)
@@ -139,23 +198,52 @@ class SegmentLog:
     # --- appending ------------------------------------------------------------------------
 
     def append(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview = b"",
-               time_ns: int | None = None) -> tuple[int, Record]:
-        """Append one record; returns (segment id, record) for the index to apply."""
+               time_ns: int | None = None,
+               later: Callable[[int, Record], None] | None = None) -> tuple[int, Record] | None:
+        """Append one record; returns (segment id, record) for the index to apply.
+
+        `later` is for data records (WRITE) of a request that can wait for its reply: once the
+        daemon set `token`, such a record is queued for the writer thread, which writes the
+        log's queued records one after the other, in log order, while the trio thread serves
+        other requests. append then returns None, `submitted` is the queued write, and
+        `later(segment id, record)` runs once it is written: from join() or settle(), in log
+        order. Every other append joins first (waits for the queue to be written and applies
+        it), so records reach the index in log order, a record is never written behind one
+        that is not, and a failed write leaves nothing after it (the queue behind it is
+        cancelled and the tail goes back to where it started)."""
+        now = time.time_ns() if time_ns is None else time_ns
+        n = len(payload)
+        size = fmt.record_size(n)
+        self.submitted = None
+        if (later is not None and self.token is not None and self.fd >= 0
+                and rtype in _DIRECT_TYPES
+                and self.tail + size + 3 * ALIGN < self.segment_size):
+            if len(self.queued) >= PIPELINE_DEPTH:
+                self._finish(self.queued[0])  # the oldest: usually written already
+            if not self._halt:
+                self._queue_record(rtype, ino, offset, now, payload, size, later)
+                return None
+        self.join()
         if self.fd < 0:
             self._open_new()
-        now = time.time_ns() if time_ns is None else time_ns
         self.seq += 1
-        size = fmt.record_size(len(payload))
         placed = None
-        if self.dfd >= 0 and len(payload) >= self.direct_min and rtype in _DIRECT_TYPES:
+        if self.dfd >= 0 and n >= self.direct_min and rtype in _DIRECT_TYPES:
             placed = self._append_direct(rtype, ino, offset, now, payload, size)
         if placed is None:
             parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
             placed = (parts[0], self.tail)
             self._pwritev(parts, size)
         head, pos = placed
+        return self.seg_id, self._appended(rtype, ino, offset, now, self.seq, payload, n, head,
+                                           pos, size)
+
+    def _appended(self, rtype: int, ino: int, offset: int, now: int, seq: int,
+                  payload: bytes | memoryview, length: int, head: bytes, pos: int,
+                  size: int) -> Record:
+        """Bookkeeping of a record that is in the segment file now."""
         csum = fmt.CSUM.unpack_from(head, fmt.RECORD_HEADER.size)[0]
-        rec = Record(rtype, ino, offset, now, self.seq, payload, pos, len(payload), csum)
+        rec = Record(rtype, ino, offset, now, seq, payload, pos, length, csum)
         if rtype != RecType.SEAL:
             self.rows += fmt.seal_row(rec)
         self.last_append = time.monotonic()
@@ -168,8 +256,8 @@ class SegmentLog:
             self._win_start, self._win_bytes = now_m, 0
         self._win_bytes += size
         if rtype == RecType.WRITE:
-            st.data_bytes += len(payload)
-        return self.seg_id, rec
+            st.data_bytes += length
+        return rec
 
     def _pwritev(self, parts: list, size: int) -> None:
         """Buffered append at the tail."""
@@ -184,51 +272,198 @@ class SegmentLog:
         self._pwritev(fmt.encode_record(RecType.PAD, 0, 0, 0, 0, body), gap)
         self.stats.pad_bytes += gap
 
+    def _stage(self, k: int, rtype: int, ino: int, offset: int, now: int,
+               payload: bytes | memoryview, size: int) -> tuple[bytes, int, memoryview]:
+        """Prepare a direct write of one record in staging buffer k, to start on an ALIGN
+        boundary: (header, PAD bytes after the record, the aligned view to write).
+
+        The record starts on a boundary (a PAD before it fills the gap from the tail) and a
+        PAD after it, in the same write, runs to the next boundary, so no direct write shares
+        a page with buffered records: the kernel has no cached page to write back or
+        invalidate first, and the next buffered append starts a fresh page.
+        """
+        trail = fmt.pad_gap(size, ALIGN)  # the record starts on a boundary
+        total = size + trail
+        slot = self._stages[k]
+        if slot is None or len(slot[0]) < total:
+            if slot is not None:
+                slot[1].release()
+                slot[0].close()
+            buf = mmap.mmap(-1, max(total, (1 << 20) + 2 * ALIGN))
+            slot = self._stages[k] = (buf, memoryview(buf))
+        stage = slot[1]
+        head = fmt.encode_header(rtype, ino, offset, now, self.seq, payload)
+        n = len(payload)
+        h = fmt.RECORD_HEADER_SIZE
+        stage[:h] = head
+        stage[h:h + n] = payload
+        stage[h + n:size] = fmt.ZEROS[:size - h - n]
+        if trail:
+            body = fmt.pad_body(trail)
+            stage[size:size + h] = fmt.encode_header(RecType.PAD, 0, 0, 0, 0, body)
+            stage[size + h:total] = body
+        return head, trail, stage[:total]
+
     def _append_direct(self, rtype: int, ino: int, offset: int, now: int,
                        payload: bytes | memoryview, size: int) -> tuple[bytes, int] | None:
-        """Write one record with O_DIRECT from the staging buffer: (header, position), or
-        None if it must go the buffered way after all (nothing of it was written then).
-
-        The record starts on an ALIGN boundary (a buffered PAD before it fills the gap from
-        the tail) and a PAD after it, in the same write, runs to the next boundary, so no
-        direct write shares a page with buffered records: the kernel has no cached page to
-        write back or invalidate first, and the next buffered append starts a fresh page.
-        """
+        """Write one record with O_DIRECT, waiting for the device: (header, position), or
+        None if it must go the buffered way after all (nothing of it was written then)."""
         gap = fmt.pad_gap(self.tail, ALIGN)
         if gap:
             self._pad(gap)
-        trail = fmt.pad_gap(self.tail + size, ALIGN)
-        total = size + trail
-        if self._stage is None or len(self._stage) < total:
-            if self._stage is not None:
-                self._stage.close()
-            self._stage = mmap.mmap(-1, max(total, (1 << 20) + 2 * ALIGN))
-        stage = self._stage
-        head = fmt.encode_header(rtype, ino, offset, now, self.seq, payload)
-        n = len(payload)
-        stage[:fmt.RECORD_HEADER_SIZE] = head
-        stage[fmt.RECORD_HEADER_SIZE:fmt.RECORD_HEADER_SIZE + n] = payload
-        stage[fmt.RECORD_HEADER_SIZE + n:size] = fmt.ZEROS[:size - fmt.RECORD_HEADER_SIZE - n]
-        if trail:
-            body = fmt.pad_body(trail)
-            stage[size:size + fmt.RECORD_HEADER_SIZE] = fmt.encode_header(
-                RecType.PAD, 0, 0, 0, 0, body)
-            stage[size + fmt.RECORD_HEADER_SIZE:total] = body
-        with memoryview(stage) as mv:
-            try:
-                done = os.pwritev(self.dfd, [mv[:total]], self.tail)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._no_direct(f"O_DIRECT write refused: {e.strerror}")
-                return None
-        if done != total:
+        head, trail, view = self._stage(0, rtype, ino, offset, now, payload, size)
+        try:
+            done = os.pwritev(self.dfd, [view], self.tail)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._no_direct(f"O_DIRECT write refused: {e.strerror}")
+            return None
+        if done != len(view):
             raise OSError(errno.ENOSPC, "short write to the log")
         pos = self.tail
-        self.tail += total
+        self.tail += len(view)
         self.stats.direct_records += 1
         self.stats.pad_bytes += trail
         return head, pos
+
+    # --- the writer thread ----------------------------------------------------------------
+
+    def _queue_record(self, rtype: int, ino: int, offset: int, now: int,
+                      payload: bytes | memoryview, size: int,
+                      later: Callable[[int, Record], None]) -> None:
+        """Queue a data record at the tail for the writer thread (a PAD before it if it goes
+        the direct way); the tail moves past it now."""
+        assert self.token is not None
+        n = len(payload)
+        direct = self.dfd >= 0 and n >= self.direct_min
+        if direct:
+            gap = fmt.pad_gap(self.tail, ALIGN)
+            if gap:
+                body = fmt.pad_body(gap)
+                pad = LogWrite(self.fd, self.tail, fmt.encode_record(RecType.PAD, 0, 0, 0, 0,
+                                                                     body), gap, self.token)
+                self._enqueue(pad)
+        self.seq += 1
+        if direct:
+            k = self._free_stages.pop()
+            head, trail, view = self._stage(k, rtype, ino, offset, now, payload, size)
+            job = LogWrite(self.dfd, self.tail, [view], len(view), self.token)
+            job.stage, job.trail = k, trail
+        else:
+            parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
+            head = parts[0]
+            job = LogWrite(self.fd, self.tail, parts, size, self.token)
+        job.rtype, job.ino, job.offset, job.time_ns, job.seq = rtype, ino, offset, now, self.seq
+        job.payload_len, job.head, job.size, job.later = n, head, size, later
+        self._enqueue(job)
+        self.submitted = job
+
+    def _enqueue(self, job: LogWrite) -> None:
+        self.tail += job.nbytes
+        self.queued.append(job)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_jobs, name="ckptfs-log-writer",
+                                            daemon=True)
+            self._writer.start()
+        self._jobs.put(job)
+
+    def _write_jobs(self) -> None:
+        """The writer thread: the queued writes one at a time, in order; after a failure the
+        rest of the queue is cancelled (never written) until the trio thread has seen it."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._halt:
+                job.error = Cancelled(errno.ECANCELED, "an earlier log write failed")
+            else:
+                try:
+                    job.written = os.pwritev(job.fd, job.bufs, job.pos)
+                    if job.written != job.nbytes:
+                        job.error = OSError(errno.ENOSPC, "short write to the log")
+                except OSError as e:
+                    job.error = e
+                if job.error is not None:
+                    self._halt = True
+            job.done.set()
+            try:
+                job.token.run_sync_soon(job.event.set)
+            except trio.RunFinishedError:
+                pass  # nobody waits in trio any more; _finish() uses `done`
+
+    def _finish(self, upto: LogWrite) -> None:
+        """Account and apply the queued writes up to `upto` in log order, waiting (blocking)
+        for those not written yet. After a failed write, the rest of the queue is taken
+        back: the tail returns to where the failed write started (nothing after it was
+        written), and each of those records is marked for a retry by its writer."""
+        while self.queued:
+            job = self.queued[0]
+            job.done.wait()
+            self.queued.popleft()
+            if job.stage >= 0:
+                self._free_stages.append(job.stage)
+            if job.error is not None:
+                self._fail_queue(job)
+                return
+            if job.rtype == RecType.PAD:
+                self.stats.pad_bytes += job.nbytes
+            else:
+                if job.stage >= 0:
+                    self.stats.direct_records += 1
+                    self.stats.pad_bytes += job.trail
+                rec = self._appended(job.rtype, job.ino, job.offset, job.time_ns, job.seq, b"",
+                                     job.payload_len, job.head, job.pos, job.size)
+                assert job.later is not None
+                job.later(self.seg_id, rec)
+            if job is upto:
+                return
+
+    def _fail_queue(self, failed: LogWrite) -> None:
+        """`failed` (already off the queue) did not make it to the disk."""
+        err = failed.error
+        assert err is not None
+        if err.errno == errno.EINVAL and failed.stage >= 0:
+            self._no_direct(f"O_DIRECT write refused: {err.strerror}")
+            failed.retry = True
+        for job in self.queued:  # cancelled behind it: never written
+            job.done.wait()
+            if job.stage >= 0:
+                self._free_stages.append(job.stage)
+            job.retry = True
+        self.queued.clear()
+        self.tail = failed.pos
+        self._halt = False
+
+    def join(self) -> None:
+        """Finish every queued write (see _finish)."""
+        if self.queued:
+            self._finish(self.queued[-1])
+
+    async def settle(self, job: LogWrite) -> bool:
+        """For the request whose record is `job`: wait (serving other requests meanwhile)
+        until it and everything queued before it are written and applied. True if it was not
+        written and must be appended again (O_DIRECT refused, or an earlier write failed);
+        raises its own write's error (ENOSPC, EIO)."""
+        if job in self.queued:
+            for earlier in list(self.queued):
+                await earlier.wait()
+                if earlier is job:
+                    break
+            if job in self.queued:
+                self._finish(job)
+        if job.retry:
+            return True
+        if job.error is not None:
+            raise job.error
+        return False
+
+    async def join_async(self) -> None:
+        """join(), waiting for the writer thread without blocking trio."""
+        while self.queued:
+            last = self.queued[-1]
+            await last.wait()
+            self._finish(last)
 
     def write_rate(self) -> float:
         """Bytes/s appended recently (0 once writes stopped for a window)."""
@@ -257,9 +492,12 @@ class SegmentLog:
         the sealed file happens at the next flush (seal is on the write path and must not
         block it on the disk).
         """
+        self.join()
         if not self.has_records():
             return None
-        seg_id, rec = self.append(RecType.SEAL, 0, 0, bytes(self.rows))
+        res = self.append(RecType.SEAL, 0, 0, bytes(self.rows))
+        assert res is not None
+        seg_id, rec = res
         foot = fmt.footer(rec.pos, len(self.rows) // fmt.SEAL_ROW.size)
         os.pwrite(self.fd, foot, self.tail)
         self.tail += len(foot)
@@ -279,6 +517,7 @@ class SegmentLog:
     async def sync(self) -> None:
         """Return once every record appended before the call is on stable storage."""
         self.stats.sync_calls += 1
+        await self.join_async()  # records queued for the writer thread: the flush comes after
         goal = (self.seg_id, self.tail)
         if not self._unsynced and not self._dir_dirty and self.synced >= goal:
             return
@@ -292,7 +531,8 @@ class SegmentLog:
             await self._flush()
 
     async def _flush(self) -> None:
-        goal = (self.seg_id, self.tail)
+        await self.join_async()  # queued while we waited for the lock: flush after them too
+        goal = (self.seg_id, self.tail)  # no await between the join and this
         sealed = list(self._unsynced)
         self._unsynced.clear()
         fd = self.fd
@@ -321,6 +561,7 @@ class SegmentLog:
 
     def sync_now(self) -> None:
         """Synchronous flush of whatever sync() has not covered yet (usually very little)."""
+        self.join()
         goal = (self.seg_id, self.tail)
         for sfd in self._unsynced:
             os.fdatasync(sfd)

@@ -15,7 +15,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import xxhash
@@ -25,7 +25,7 @@ from ckptfs.errors import FsError
 from ckptfs.index import ROOT_INO, VSEG_BIT, Extent, Index, Inode, SegState
 from ckptfs.log import SegmentLog
 from ckptfs.reads import Reader
-from ckptfs.segment import RecType
+from ckptfs.segment import RecType, Record
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,28 @@ class Namespace:
     def record(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview = b"",
                time_ns: int | None = None) -> tuple[int, int]:
         """Append a record and apply it: the one way anything changes. (segment, position)"""
-        seg, rec = self.log.append(rtype, ino, offset, payload, time_ns)
+        res = self.log.append(rtype, ino, offset, payload, time_ns)
+        assert res is not None
+        seg, rec = res
+        self._apply(seg, rec)
+        return seg, rec.pos
+
+    def record_later(self, rtype: int, ino: int, offset: int, payload: bytes | memoryview,
+                     then: Callable[[int, int], None] | None = None) -> None:
+        """record() for a big data record whose device write may complete after this returns
+        (SegmentLog.append(later=...)): the record is applied, and then(segment, position)
+        called, once it is written; until then the index does not know it, as if the write
+        had not happened yet. The caller settles `log.submitted` before replying."""
+        def written(seg: int, rec: Record) -> None:
+            self._apply(seg, rec)
+            if then is not None:
+                then(seg, rec.pos)
+
+        res = self.log.append(rtype, ino, offset, payload, later=written)
+        if res is not None:
+            written(*res)
+
+    def _apply(self, seg: int, rec: Record) -> None:
         if seg != self._active_seg:
             if self.index.get_segment(seg) is None:
                 self.index.set_segment(seg, SegState.ACTIVE)
@@ -96,7 +117,6 @@ class Namespace:
         self.index.apply(seg, rec)
         if self.log.should_seal():
             self.seal("size")
-        return seg, rec.pos
 
     def seal(self, reason: str) -> int | None:
         """Seal the active segment; returns its id (or None if it was empty)."""
@@ -357,20 +377,20 @@ class Namespace:
                 self.dedup_hits += 1
                 self.dedup_bytes += n
             else:
-                seg, pos = self.record(RecType.WRITE, ino, off, data)
-                self.index.put_chunk(digest, seg, pos, n)
+                self.record_later(RecType.WRITE, ino, off, data,
+                                  lambda seg, pos: self.index.put_chunk(digest, seg, pos, n))
         else:
-            self.record(RecType.WRITE, ino, off, data)
-            if n < SMALL_WRITE:
-                sw = self.small_writes.get(ino)
-                if sw is None:
-                    if len(self.small_writes) >= DEFRAG_TRACKED:
-                        self._forget_small_writes()
-                    sw = self.small_writes[ino] = [0, off]
-                sw[0] += 1
-                sw[1] = min(sw[1], off)
-                if sw[0] >= DEFRAG_AFTER:
-                    self.defrag_due.add(ino)
+            self.record_later(RecType.WRITE, ino, off, data)
+        if n < SMALL_WRITE:
+            sw = self.small_writes.get(ino)
+            if sw is None:
+                if len(self.small_writes) >= DEFRAG_TRACKED:
+                    self._forget_small_writes()
+                sw = self.small_writes[ino] = [0, off]
+            sw[0] += 1
+            sw[1] = min(sw[1], off)
+            if sw[0] >= DEFRAG_AFTER:
+                self.defrag_due.add(ino)
         self.last_write_ns = time.time_ns()
         return n
 
@@ -403,6 +423,7 @@ class Namespace:
         change the file in between: the record holds exactly the bytes the extents held.
         Extents on the shared store only are left alone (reading them here would block).
         """
+        self.log.join()  # a big write on its way to the disk is part of the file already
         node = self.index.get_inode(ino)
         if node is None or not stat.S_ISREG(node.mode):
             return None

@@ -1,0 +1,183 @@
+"""The log's writer thread (SegmentLog.append(later=...)): data records queued while the trio
+thread goes on, applied in log order, and a failed write that takes the queue behind it back.
+Real files, a real LMDB index, a real tmpfs for the full-disk case; no FUSE."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import trio
+
+from ckptfs import log as logmod
+from ckptfs.index import ROOT_INO, Index
+from ckptfs.log import SegmentLog
+from ckptfs.namespace import Namespace
+from ckptfs.reads import Reader
+from ckptfs.recovery import replay
+
+
+def make(nvme: Path, seg_size: int) -> tuple[Index, SegmentLog, Namespace]:
+    index = Index(str(nvme / "index"))
+    log = SegmentLog(str(nvme / "segments"), "t0", seg_size)
+    replay(index, log)
+    ns = Namespace(index, log, Reader(log.path))
+    index.ensure_root(0, 0, 0o755, 1)
+    return index, log, ns
+
+
+def reopen(nvme: Path, seg_size: int) -> tuple[Index, SegmentLog, Namespace]:
+    """The index thrown away: what the log alone says."""
+    shutil.rmtree(nvme / "index")
+    index = Index(str(nvme / "index"))
+    log = SegmentLog(str(nvme / "segments"), "t0", seg_size)
+    rep = replay(index, log)
+    assert not rep.corruption, rep.corruption
+    return index, log, Namespace(index, log, Reader(log.path))
+
+
+def test_queued_writes_apply_in_log_order_and_replay_the_same(tmp_path: Path) -> None:
+    """Overlapping writes to the same ranges, big (direct) and small (buffered), several in
+    the queue at once, metadata operations in between (which wait for the queue): reads see
+    the writes in the order they were made, before and after a replay from the log alone."""
+    seg = 16 << 20
+    index, log, ns = make(tmp_path, seg)
+    rnd = random.Random(3)
+    want: dict[int, bytearray] = {}
+    queued_max = 0
+
+    async def main() -> None:
+        nonlocal queued_max
+        log.token = trio.lowlevel.current_trio_token()
+        pending = []
+        files = [ns.create(ROOT_INO, f"f{i}".encode(), 0o644, 0, 0).ino for i in range(3)]
+        for ino in files:
+            want[ino] = bytearray()
+        for step in range(300):
+            ino = rnd.choice(files)
+            n = rnd.choice([1 << 20, 300 << 10, logmod.DIRECT_MIN, 100, 3000, 70000])
+            off = rnd.randrange(0, 2 << 20)
+            data = rnd.randbytes(n)
+            ns.write(ino, off, data)
+            buf = want[ino]
+            if len(buf) < off + n:
+                buf.extend(bytes(off + n - len(buf)))
+            buf[off:off + n] = data
+            if log.submitted is not None:
+                pending.append(log.submitted)
+            queued_max = max(queued_max, len(log.queued))
+            if step % 37 == 36:  # a metadata operation: the queue is written first
+                ns.create(ROOT_INO, f"m{step}".encode(), 0o644, 0, 0)
+                assert not log.queued
+            if rnd.random() < 0.3:
+                for job in pending:
+                    assert await log.settle(job) is False
+                pending.clear()
+        for job in pending:
+            assert await log.settle(job) is False
+        await log.sync()
+
+    trio.run(main)
+    log.token = None
+    assert queued_max >= 4, "the test never had several writes queued"
+    assert log.stats.direct_records > 50
+    assert len(log.existing()) > 1  # crossed segment boundaries while queueing
+    for ino, buf in want.items():
+        assert ns.read(ino, 0, 4 << 20) == bytes(buf)
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(tmp_path, seg)
+    for ino, buf in want.items():
+        assert ns2.read(ino, 0, 4 << 20) == bytes(buf)
+    log2.close()
+    index2.close()
+
+
+def sh(*cmd: str) -> None:
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, f"{' '.join(cmd)}: {res.stderr.strip()}"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    d = tmp_path / "nvme"
+    d.mkdir()
+    sh("mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(d))
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False, capture_output=True, timeout=30)
+
+
+def test_a_failed_queued_write_takes_back_the_queue_behind_it(small_tmpfs: Path) -> None:
+    """The disk fills while writes are queued: the write that hit ENOSPC reports it, the ones
+    queued behind it are never written and come back for a retry, the tail returns to where
+    the failed one started, and the log holds exactly the writes that succeeded."""
+    seg = 64 << 20
+    index, log, ns = make(small_tmpfs, seg)
+    f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+    trio.run(log.sync)
+    with open(small_tmpfs / "filler", "wb") as fh:  # leave ~5 MiB
+        free = os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize
+        fh.write(bytes(free - (5 << 20)))
+    chunks = [random.Random(i).randbytes(1 << 20) for i in range(8)]
+    outcome: list[str] = []
+    outcome_sync: list[int] = []
+    tails: list[int] = []
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        jobs = []
+        for i, data in enumerate(chunks):
+            try:
+                ns.write(f, i << 20, data)
+            except OSError as e:
+                # the writer thread ran ahead and failed already: this append found out,
+                # took the queue back and tried its own record the synchronous way
+                assert e.errno == errno.ENOSPC
+                outcome_sync.append(i)
+                break
+            assert log.submitted is not None, "not queued"
+            jobs.append((log.submitted, log.submitted.pos))
+        assert len(jobs) >= 3
+        for job, pos in jobs:
+            try:
+                retry = await log.settle(job)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                outcome.append("ENOSPC")
+                tails.append(pos)
+                continue
+            outcome.append("retry" if retry else "ok")
+
+    trio.run(main)
+    log.token = None  # that trio run is over: appends are synchronous again
+    assert "ENOSPC" in outcome or outcome_sync, outcome
+    first_bad = outcome.index("ENOSPC") if "ENOSPC" in outcome else len(outcome)
+    assert outcome[:first_bad] == ["ok"] * first_bad and first_bad >= 2, outcome
+    assert outcome[first_bad + 1:] == ["retry"] * (len(outcome[first_bad + 1:])), outcome
+    if tails:  # the failed job's position (a PAD may precede it): nothing after it remains
+        assert log.tail <= tails[0]
+    assert not log.queued
+    assert index.get_inode(f).size == first_bad << 20
+    for i in range(first_bad):
+        assert ns.read(f, i << 20, 1 << 20) == chunks[i]
+    # room again: appends go on from the tail; the log replays to exactly the same file
+    os.unlink(small_tmpfs / "filler")
+    ns.write(f, 20 << 20, b"after")
+    trio.run(log.sync)
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(small_tmpfs, seg)
+    node = index2.get_inode(f)
+    assert node is not None and node.size == (20 << 20) + 5
+    for i in range(first_bad):
+        assert ns2.read(f, i << 20, 1 << 20) == chunks[i]
+    assert ns2.read(f, first_bad << 20, 1 << 20) == bytes(1 << 20)  # a hole, as never written
+    log2.close()
+    index2.close()
