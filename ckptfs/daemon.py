@@ -640,28 +640,7 @@ def tune_read_ahead(mountpoint: str, kb: int = 1024) -> bool:
         return getattr(e, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
 
 
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def keep_heap_warm() -> None:
-    """Every WRITE request arrives as a fresh bytes object of up to 1 MiB (pyfuse3 copies the
-    request into one). With glibc's defaults such buffers come from mmap, or from heap memory
-    trimmed and returned to the kernel between requests, so each request's copy first
-    page-faults fresh pages in (on a VM, possibly from the host). Fixed thresholds keep them
-    on a heap that stays mapped: at most 64 MiB of free heap is kept."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, 16 << 20)
-        libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20)
-    except (OSError, AttributeError):  # not glibc: leave the allocator alone
-        pass
-
-
 def run_foreground(cfg: MountConfig, ready_fd: int = -1) -> int:
-    keep_heap_warm()
     d = Daemon(cfg)
     d.prepare()
     try:
