@@ -20,15 +20,7 @@ from ckptfs.log import SegmentLog
 from ckptfs.namespace import Namespace
 from ckptfs.reads import Reader
 from ckptfs.recovery import replay
-
-
-def make(nvme: Path, seg_size: int) -> tuple[Index, SegmentLog, Namespace]:
-    index = Index(str(nvme / "index"))
-    log = SegmentLog(str(nvme / "segments"), "t0", seg_size)
-    replay(index, log)
-    ns = Namespace(index, log, Reader(log.path))
-    index.ensure_root(0, 0, 0o755, 1)
-    return index, log, ns
+from test_format import make  # index, log and namespace in a directory, no FUSE
 
 
 def reopen(nvme: Path, seg_size: int) -> tuple[Index, SegmentLog, Namespace]:
