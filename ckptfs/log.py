@@ -55,7 +55,7 @@ class LogWrite:
 
     __slots__ = ("rtype", "ino", "offset", "time_ns", "seq", "payload_len", "head", "pos",
                  "size", "trail", "bufs", "nbytes", "fd", "later", "stage", "done", "event",
-                 "token", "written", "error", "retry")
+                 "token", "error", "retry")
 
     def __init__(self, fd: int, pos: int, bufs: list, nbytes: int,
                  token: trio.lowlevel.TrioToken):
@@ -69,7 +69,6 @@ class LogWrite:
         self.stage = -1  # staging buffer in use, or -1
         self.done = threading.Event()  # the writer thread finished with it (either way)
         self.event = trio.Event()  # the same, for trio tasks
-        self.written = 0
         self.error: OSError | None = None
         self.retry = False  # not written: append it again (O_DIRECT refused, or cancelled)
 
@@ -379,8 +378,7 @@ class SegmentLog:
                 job.error = Cancelled(errno.ECANCELED, "an earlier log write failed")
             else:
                 try:
-                    job.written = os.pwritev(job.fd, job.bufs, job.pos)
-                    if job.written != job.nbytes:
+                    if os.pwritev(job.fd, job.bufs, job.pos) != job.nbytes:
                         job.error = OSError(errno.ENOSPC, "short write to the log")
                 except OSError as e:
                     job.error = e

@@ -32,6 +32,16 @@ def make(tmp_path: Path, seg_size: int = 1 << 20) -> tuple[Index, SegmentLog, Na
     return index, log, ns
 
 
+def reopen(root: Path, seg_size: int) -> tuple[Index, SegmentLog, Namespace]:
+    """The index thrown away: what the log alone says (it must replay without corruption)."""
+    shutil.rmtree(root / "index")
+    index = Index(str(root / "index"))
+    log = SegmentLog(str(root / "segments"), "t0", seg_size)
+    rep = replay(index, log)
+    assert not rep.corruption, rep.corruption
+    return index, log, Namespace(index, log, Reader(log.path))
+
+
 def close(index: Index, log: SegmentLog) -> None:
     log.close()
     index.close()
@@ -517,13 +527,8 @@ def test_big_writes_go_around_the_page_cache_aligned_and_replay_the_same(
     state = {(i.ino, i.size) for i in index.iter_inodes()}
     close(index, log)
 
-    shutil.rmtree(tmp_path / "index")
-    index2 = Index(str(tmp_path / "index"))
-    log2 = SegmentLog(str(tmp_path / "segments"), "t0", 8 << 20)
-    rep = replay(index2, log2)
-    assert not rep.corruption
+    index2, log2, ns2 = reopen(tmp_path, 8 << 20)
     assert {(i.ino, i.size) for i in index2.iter_inodes()} == state
-    ns2 = Namespace(index2, log2, Reader(log2.path))
     for ino, want in files.items():
         assert ns2.read(ino, 0, 2 << 20) == bytes(want)
     close(index2, log2)
@@ -545,12 +550,7 @@ def test_torn_direct_record_is_the_end_of_the_log(tmp_path: Path) -> None:
     index.close()
     with open(path, "r+b") as fh:  # the device kept the first 64 KiB of the last write
         fh.truncate(last.pos + (64 << 10))
-    shutil.rmtree(tmp_path / "index")
-    index2 = Index(str(tmp_path / "index"))
-    log2 = SegmentLog(str(tmp_path / "segments"), "t0", 64 << 20)
-    rep = replay(index2, log2)
-    assert not rep.corruption
-    ns2 = Namespace(index2, log2, Reader(log2.path))
+    index2, log2, ns2 = reopen(tmp_path, 64 << 20)
     assert ns2.read(a, 0, 1 << 20) == first
     assert index2.get_inode(b) is not None and index2.get_inode(b).size == 0
     close(index2, log2)

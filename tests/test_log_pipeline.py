@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,22 +14,8 @@ import pytest
 import trio
 
 from ckptfs import log as logmod
-from ckptfs.index import ROOT_INO, Index
-from ckptfs.log import SegmentLog
-from ckptfs.namespace import Namespace
-from ckptfs.reads import Reader
-from ckptfs.recovery import replay
-from test_format import make  # index, log and namespace in a directory, no FUSE
-
-
-def reopen(nvme: Path, seg_size: int) -> tuple[Index, SegmentLog, Namespace]:
-    """The index thrown away: what the log alone says."""
-    shutil.rmtree(nvme / "index")
-    index = Index(str(nvme / "index"))
-    log = SegmentLog(str(nvme / "segments"), "t0", seg_size)
-    rep = replay(index, log)
-    assert not rep.corruption, rep.corruption
-    return index, log, Namespace(index, log, Reader(log.path))
+from ckptfs.index import ROOT_INO
+from test_format import make, reopen  # index, log and namespace in a directory
 
 
 def test_queued_writes_apply_in_log_order_and_replay_the_same(tmp_path: Path) -> None:
