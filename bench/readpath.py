@@ -1,6 +1,6 @@
 """Read-path figures: restores through the mount vs reading the same bytes straight, same run:
 
-    python -m bench.readpath [--mib 256] [--ranks 8] [--rounds 2]
+    python -m bench.readpath [--mib 256] [--ranks 8] [--rounds 2] [--nas]
 
 8 rank processes write one file each through a ckptfs mount (1 MiB writes, unique data, fsync),
 `ckptfs wait`, then in alternating rounds, page cache dropped before each read:
@@ -8,13 +8,16 @@
    baseline: the same number of readers read the log segment files straight;
 2. shared restore: after `ckptfs evict --all` each rank reads its file through the mount (every
    byte fetched from SHARED and verified); baseline: the same readers read SHARED's objects.
-Prints GB/s of each, the ratio, and the daemon's CPU seconds per GB read (the part this
-benchmark exists for: the daemon's cost, which the noisy disk does not hide).
+With --nas, SHARED is the NAS emulator at zero latency over a local directory, as in
+`python -m bench`, so the shared case pays the same two FUSE hops there. Prints GB/s of each,
+the ratio, and the daemon's CPU seconds per GB read (the part this benchmark exists for: the
+daemon's cost, which the noisy disk does not hide).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import re
@@ -87,11 +90,28 @@ def main() -> int:
                     help="profile the daemon with py-spy (installed separately) during the "
                          "restores through ckptfs: PREFIX-local.txt, PREFIX-shared.txt "
                          "(collapsed stacks, --idle off, --gil off)")
+    ap.add_argument("--nas", action="store_true",
+                    help="SHARED is the NAS emulator (latencies at zero, its bandwidth cap kept) "
+                         "over a local directory, as in `python -m bench`, not the directory itself")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckptfs-readpath-"))
     nvme, shared, mnt = (work / n for n in ("nvme", "shared", "mnt"))
     for p in (nvme, shared, mnt):
         p.mkdir()
+    try:
+        with contextlib.ExitStack() as stack:  # the emulator is unmounted before the rmtree
+            if a.nas:
+                from bench.nasemu import NasEmu
+
+                shared = work / "nas"
+                stack.enter_context(NasEmu(work / "shared", shared, meta_latency_us=0,
+                                           meta_ops_per_sec=0, log_path=work / "nasemu.log"))
+            return _run(a, nvme, shared, mnt)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(a: argparse.Namespace, nvme: Path, shared: Path, mnt: Path) -> int:
     ck = [sys.executable, "-m", "ckptfs"]
     out = subprocess.run(ck + ["mount", str(nvme), str(shared), str(mnt), "--node-id", "rp"],
                          check=True, capture_output=True, text=True).stdout
@@ -145,7 +165,6 @@ def main() -> int:
     finally:
         subprocess.run(ck + ["umount", str(mnt), "--no-drain"], stdout=subprocess.DEVNULL,
                        check=False)
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

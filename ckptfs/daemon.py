@@ -594,6 +594,7 @@ class Daemon:
             "retention": self.retention.status(),
             "cold": self.coldtier.status() if self.coldtier is not None else None,
             "corrupt_reads": self.reader.corrupt_reads,
+            "read_ahead": dict(self.reader.ahead),
             "replay": self.replay_report.as_dict(),
         }
 

@@ -43,6 +43,13 @@ DEDUP_MIN = 64 << 10  # smaller writes are not worth a chunk-table entry
 SMALL_WRITE = 4 << 10
 DEFRAG_AFTER = 256
 DEFRAG_TRACKED = 8192  # files whose small writes are counted at once (memory bound)
+# A file read sequentially has its next local records asked of the disk this far ahead: its
+# records sit between other files' in the segments, which the kernel's readahead of a segment
+# cannot know, so without this every record is a synchronous disk read on the trio thread.
+READ_AHEAD = int(os.environ.get("CKPTFS_READ_AHEAD", str(8 << 20)))
+# ... and its records on the shared store this far ahead (into the reader's bounded cache)
+REMOTE_READ_AHEAD = int(os.environ.get("CKPTFS_REMOTE_READ_AHEAD", str(2 << 20)))
+READ_AHEAD_TRACKED = 4096  # files whose read position is remembered at once
 DEFRAG_RUN_EXTENTS = 256  # per merged record (so < 1 MiB); one step: ~5 ms of the trio thread
 
 
@@ -81,6 +88,8 @@ class Namespace:
         # per inode since its last defrag: [small writes, lowest offset one of them wrote]
         self.small_writes: dict[int, list[int]] = {}
         self.defrag_due: set[int] = set()
+        # ino -> (where its last read ended, local and remote records asked for up to)
+        self.read_ahead: dict[int, tuple[int, int, int]] = {}
         self.defrag_records = 0
         self.defrag_extents = 0
     # --- plumbing -------------------------------------------------------------------------
@@ -478,12 +487,46 @@ class Namespace:
             if not self.reader.is_local(e):
                 local = False
                 if e.seg & VSEG_BIT and e.seg not in self.reader.objrefs:
-                    ref = self.index.objref(e.seg)
-                    if ref is None:
-                        raise FsError(errno.EIO, f"extent of inode {ino} names an unknown "
-                                                 f"object")
-                    self.reader.objrefs[e.seg] = ref
+                    self._resolve(ino, e)
+        if READ_AHEAD > 0:
+            self._read_ahead(ino, off, end, node.size)
         return exts, node.size, local
+
+    def _resolve(self, ino: int, e: Extent) -> None:
+        """Tell the reader which node's object a vseg id of e stands for."""
+        ref = self.index.objref(e.seg)
+        if ref is None:
+            raise FsError(errno.EIO, f"extent of inode {ino} names an unknown object")
+        self.reader.objrefs[e.seg] = ref
+
+    def _read_ahead(self, ino: int, off: int, end: int, size: int) -> None:
+        """Ask for the records of the next bytes of a file read sequentially (from its start,
+        or on from where the last read ended, give or take the reordering of the kernel's
+        own readahead requests): READ_AHEAD bytes of local records, REMOTE_READ_AHEAD of
+        records on the shared store, each half a window at a time."""
+        last, asked, asked_remote = self.read_ahead.get(ino, (0, 0, 0))
+        if off == 0:  # a new pass over the file: where its records are may have changed
+            asked = asked_remote = 0
+        elif abs(off - last) > READ_AHEAD // 4:
+            self.read_ahead[ino] = (end, end, end)  # a jump: wait and see whether it goes on
+            return
+        local = (max(asked, end), min(end + READ_AHEAD, size))
+        remote = (max(asked_remote, end), min(end + REMOTE_READ_AHEAD, size))
+        if end + READ_AHEAD // 2 <= asked or local[0] >= local[1]:
+            local = (0, 0)
+        if end + REMOTE_READ_AHEAD // 2 <= asked_remote or remote[0] >= remote[1]:
+            remote = (0, 0)
+        if len(self.read_ahead) >= READ_AHEAD_TRACKED and ino not in self.read_ahead:
+            self.read_ahead.clear()
+        self.read_ahead[ino] = (end, max(asked, local[1]), max(asked_remote, remote[1]))
+        if local[1] or remote[1]:
+            lo = min(r[0] for r in (local, remote) if r[1])
+            hi = max(local[1], remote[1])
+            exts = self.index.extents_in(ino, lo, hi)
+            for e in exts:
+                if e.seg & VSEG_BIT and e.seg not in self.reader.objrefs:
+                    self._resolve(ino, e)
+            self.reader.read_ahead(exts, local, remote)
 
     def read(self, ino: int, off: int, size: int) -> bytes:
         """Synchronous read (local or not): for tests and tools, not the FUSE loop."""

@@ -10,6 +10,10 @@ cache, so a file written in small writes, or files whose records interleave in o
 (ranks write side by side) and are restored side by side, cost one request per window, not one
 per record. A fetch in flight is waited for, not repeated; a read whose records are all in the
 cache is served without a thread hop.
+
+A file read sequentially has its next records asked for ahead (read_ahead, called by the
+namespace): local ones read into the page cache by the kernel, remote ones fetched into the
+cache by prefetch threads (docs/architecture.md section 4).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
 from ckptfs import segment as fmt
@@ -31,7 +36,8 @@ log = logging.getLogger(__name__)
 HDR = fmt.RECORD_HEADER_SIZE
 REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
 REMOTE_WINDOW = 1 << 20  # a remote miss reads at least this much of the object, forward
-MAX_RUN = 4 << 20  # largest single local read that fetches a run of adjacent records
+MAX_RUN = 4 << 20
+PREFETCH_THREADS = 4  # shared-store fetches ahead of sequential reads, at once at most  # largest single local read that fetches a run of adjacent records
 
 
 class _NotCached(Exception):
@@ -73,8 +79,15 @@ class Reader:
         self._scratch = bytearray(HDR + (1 << 20) + 8)
         self.max_verified = max_verified
         self.corrupt_reads = 0
+        self._prefetcher: ThreadPoolExecutor | None = None
+        # records asked for ahead of sequential reads: local (readahead), remote (fetched),
+        # remote fetches that failed (the read that wants the record fetches it again)
+        self.ahead = {"local": 0, "remote": 0, "remote_failed": 0}
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher = None
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
@@ -155,6 +168,40 @@ class Reader:
             self._scratch = bytearray(max(n, 2 * len(self._scratch)))
         return memoryview(self._scratch)[:n]
 
+    def read_ahead(self, extents: list[Extent], local: tuple[int, int],
+                 remote: tuple[int, int]) -> None:
+        """Start reading records ahead of the reads that will want them, without waiting:
+        those of extents in the file range `local` that are on local disk into the page cache
+        (readahead), those of extents in the range `remote` that are on the shared store
+        into the remote cache, fetched on the prefetch threads (an error there is left to
+        the read itself)."""
+        for e in extents:
+            if self.is_local(e):
+                if e.end <= local[0] or e.start >= local[1]:
+                    continue
+                fd = self._fd(e.seg)
+                if fd is not None and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, e.rec_pos, HDR + e.rec_len, os.POSIX_FADV_WILLNEED)
+                    self.ahead["local"] += 1
+            elif self.remote is not None and remote[0] < e.end and e.start < remote[1]:
+                with self._lock:
+                    if (e.seg, e.rec_pos) in self._remote_cache or any(
+                            s == e.seg and a <= e.rec_pos < b for s, a, b in self._inflight):
+                        continue
+                    if self._prefetcher is None:
+                        self._prefetcher = ThreadPoolExecutor(PREFETCH_THREADS,
+                                                              "ckptfs-prefetch")
+                self._prefetcher.submit(self._prefetch_remote, e)
+
+    def _prefetch_remote(self, e: Extent) -> None:
+        try:
+            ok = self._remote_record(e, report=False) is not None  # damaged: the read says so
+        except Exception as err:
+            log.debug("fetching ahead %s failed: %s", e, err)
+            ok = False
+        with self._lock:
+            self.ahead["remote" if ok else "remote_failed"] += 1
+
     def read_extent(self, e: Extent, rel: int, n: int, cached_only: bool = False,
                     scratch: bool = False) -> bytes | memoryview:
         """n bytes starting `rel` bytes into extent e.
@@ -177,7 +224,9 @@ class Reader:
                 if len(data) == n:
                     return data
         else:
-            return self._remote_record(e, cached_only)[start:start + n]
+            rec = self._remote_record(e, cached_only)
+            assert rec is not None  # report=True raises instead
+            return rec[start:start + n]
         whole = pread(e.seg, HDR + e.rec_len, e.rec_pos)
         if not fmt.verify_record(whole):
             self._corrupt(e)
@@ -192,7 +241,8 @@ class Reader:
         log.error("checksum mismatch reading %s: returning EIO", where)
         raise CorruptData(where)
 
-    def _remote_record(self, e: Extent, cached_only: bool = False) -> memoryview:
+    def _remote_record(self, e: Extent, cached_only: bool = False,
+                       report: bool = True) -> memoryview | None:
         """The whole verified record of a remote extent: from the cache, from a window being
         fetched by another thread, or from a window fetched now."""
         key = (e.seg, e.rec_pos)
@@ -225,7 +275,7 @@ class Reader:
             with self._lock:
                 del self._inflight[span]
             done.set()
-        if whole is None:
+        if whole is None and report:
             self._corrupt(e)
         return whole
 

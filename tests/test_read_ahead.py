@@ -1,0 +1,127 @@
+"""A file read sequentially has its next records asked for ahead of the reads that want them
+(ckptfs/namespace.py, _read_ahead): local records into the page cache, records on SHARED into
+the reader's cache, on the node that wrote them and on a fresh node. Reads return exact bytes
+either way, and a damaged record ahead is EIO for the read that reaches it, never wrong bytes
+for it or the reads before it."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+from mounting import MakeMount
+from test_shared_support import (
+    blob,
+    control,
+    decode_manifest,
+    drop_caches,
+    manifests,
+    start_node,
+    status,
+    store_root,
+    wait_published,
+)
+
+MiB = 1 << 20
+
+
+def write_files(mnt: Path, files: dict[str, bytes]) -> None:
+    """Writes 1 MiB at a time, round robin over the files, so their records interleave in
+    the segments the way several ranks' do."""
+    fds = {rel: os.open(mnt / rel, os.O_CREAT | os.O_WRONLY, 0o644) for rel in files}
+    try:
+        for off in range(0, max(map(len, files.values())), MiB):
+            for rel, data in files.items():
+                if off < len(data):
+                    os.pwrite(fds[rel], data[off:off + MiB], off)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def read_chunks(path: Path) -> list[bytes]:
+    out = []
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(MiB):
+            out.append(chunk)
+    return out
+
+
+def assert_sequential_reads(mnt: Path, files: dict[str, bytes], what: str) -> None:
+    for rel, data in files.items():
+        got = b"".join(read_chunks(mnt / rel))
+        assert got == data, f"{what}: {rel} read back {len(got)} bytes, differing from the source"
+
+
+def test_sequential_reads_ask_ahead_locally_from_shared_and_on_a_fresh_node(
+        make_mount: MakeMount) -> None:
+    a = start_node(make_mount, "a", "n0")
+    (a.mnt / "step_1").mkdir()
+    files = {f"step_1/rank{r}.bin": blob(f"ra{r}", 6 * MiB + 4099 * r) for r in range(3)}
+    write_files(a.mnt, files)
+
+    drop_caches()
+    assert_sequential_reads(a.mnt, files, "local records")
+    ahead = status(a)["read_ahead"]
+    assert ahead["local"] >= 3 * 3, ahead  # each file's records past the first few reads
+
+    wait_published(a.mnt / "step_1")
+    assert control(a, {"op": "evict", "all": True})["evicted"] >= 1
+    drop_caches()
+    assert_sequential_reads(a.mnt, files, "records on SHARED after eviction")
+    st = status(a)
+    assert st["read_ahead"]["remote"] >= 3 * 2, st["read_ahead"]
+    assert st["read_ahead"]["remote_failed"] == 0 and st["corrupt_reads"] == 0, st
+    a.unmount()
+
+    # a fresh node names n0's objects by ids of its own (vsegs): read-ahead must resolve them
+    b = start_node(make_mount, "b", "n1", shared=a.shared)
+    drop_caches()
+    assert_sequential_reads(b.mnt, files, "a fresh node")
+    st = status(b)
+    assert st["read_ahead"]["remote"] >= 3 * 2, st["read_ahead"]
+    assert st["read_ahead"]["remote_failed"] == 0 and st["corrupt_reads"] == 0, st
+
+
+def test_a_damaged_record_ahead_is_eio_where_it_is_and_nowhere_else(
+        make_mount: MakeMount) -> None:
+    a = start_node(make_mount, "a", "n0")
+    data = blob("damaged", 8 * MiB)
+    write_files(a.mnt, {"f.bin": data})
+    wait_published(a.mnt)
+    body = decode_manifest(manifests(a.shared, "n0")[-1].read_bytes())
+    entry = next(e for e in body["entries"] if e["path"] == "f.bin")
+    bad = 5
+    ext = next(x for x in entry["extents"] if x[0] <= bad * MiB < x[0] + x[1])
+    off, length, obj, pos, skip, _rec_len = ext
+    from ckptfs import segment as fmt
+
+    node, seg = obj.rsplit("/", 1)
+    with open(store_root(a.shared) / "objects" / node / f"{seg}.seg", "r+b") as f:
+        at = pos + fmt.RECORD_HEADER_SIZE + skip + (bad * MiB - off) + 100
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert control(a, {"op": "evict", "all": True})["evicted"] >= 1
+    drop_caches()
+
+    got = []
+    with open(a.mnt / "f.bin", "rb", buffering=0) as f:
+        with pytest.raises(OSError) as exc:
+            while chunk := f.read(MiB):
+                got.append(chunk)
+        assert exc.value.errno == errno.EIO, exc.value
+        # the records after the damaged one are unharmed
+        after = (bad + 2) * MiB
+        assert os.pread(f.fileno(), MiB, after) == data[after:after + MiB]
+    # every read before the damaged record returned exact bytes; the first to reach it failed
+    assert len(got) == off // MiB, (len(got), ext)
+    assert b"".join(got) == data[:len(got) * MiB]
+    st = status(a)
+    assert st["corrupt_reads"] >= 1, st
+    assert a.alive, a.log_tail()
