@@ -5,8 +5,8 @@ Per segment, states are recorded in the index before each step:
     SEALED --(commit UPLOADING)--> copy to SHARED as temp, fsync, rename, fsync dir
            --> PUBLISHED
 
-Segments waiting together are published together (up to `batch_max`, shared out among the
-idle upload streams): a temp directory holding one object per segment, fsync'd, renamed into
+Segments waiting together are published together (up to `batch_max`, their objects copied
+side by side on the upload streams): a temp directory holding one object per segment, fsync'd, renamed into
 place as `objects/<node>/b<first>-<last>/`. A storm's backlog of k segments then costs k + 2
 namespace operations on SHARED instead of 2k.
 
@@ -271,10 +271,10 @@ class Drain:
 
     def _take_more(self, recv: trio.MemoryReceiveChannel[int], have: int = 1) -> list[int]:
         """More queued segments to publish with the `have` this worker holds, as one batch:
-        its share of the backlog among the workers not uploading, at most batch_max."""
-        idle = max(1, self.streams - self._busy)
-        backlog = recv.statistics().current_buffer_used + self._holding
-        limit = max(1, min(self.batch_max, have - 1 + -(-backlog // idle)))
+        everything queued, at most batch_max. A batch's objects are copied side by side on
+        up to `streams` streams (SharedStore._put_batch), so splitting a backlog among the
+        workers would gain no bandwidth and cost two namespace operations per extra batch."""
+        limit = self.batch_max
         more: list[int] = []
         while have + len(more) < limit:
             try:
