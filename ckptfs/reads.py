@@ -4,12 +4,15 @@ Every record is verified against its checksum the first time a read touches it (
 record is read once, then served from the page cache); a mismatch is EIO for that extent and a
 log line naming segment and offset, never wrong bytes.
 
-Records on the shared store are fetched at least REMOTE_WINDOW bytes at a time, forward from
-the record a read needs: every whole data record in that range is verified and kept in a bounded
-cache, so a file written in small writes, or files whose records interleave in one segment
-(ranks write side by side) and are restored side by side, cost one request per window, not one
-per record. A fetch in flight is waited for, not repeated; a read whose records are all in the
-cache is served without a thread hop.
+A small record on the shared store is fetched with the REMOTE_WINDOW bytes that follow it:
+every whole data record in that range is verified and kept in a bounded cache, so a file
+written in small writes, or small files whose records interleave in one segment, cost one
+request per window, not one per record. A record of REMOTE_ALONE bytes or more is fetched
+alone: a window past it would end inside the next record, which would then be read twice (1.45x
+the bytes of a storm of 256 KiB-1 MiB files read from the shared store, 1.0x alone); the head
+of a data record a window does end inside is kept for that record's fetch, which reads the
+rest. A fetch in flight is waited for, not repeated; a read whose records are all in the cache
+is served without a thread hop.
 
 A file read sequentially has its next records asked for ahead (read_ahead, called by the
 namespace): local ones read into the page cache by the kernel, remote ones fetched into the
@@ -35,9 +38,11 @@ log = logging.getLogger(__name__)
 
 HDR = fmt.RECORD_HEADER_SIZE
 REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
-REMOTE_WINDOW = 1 << 20  # a remote miss reads at least this much of the object, forward
-MAX_RUN = 4 << 20
-PREFETCH_THREADS = 4  # shared-store fetches ahead of sequential reads, at once at most  # largest single local read that fetches a run of adjacent records
+REMOTE_WINDOW = 1 << 20  # a remote miss reads at least this much of the object, forward...
+REMOTE_ALONE = 256 << 10  # ...unless its record is this big: then that record alone
+PARTIAL_BYTES = 8 << 20  # heads of records that windows ended inside, kept for their fetch
+MAX_RUN = 4 << 20  # largest single local read that fetches a run of adjacent records
+PREFETCH_THREADS = 4  # shared-store fetches ahead of sequential reads, at once at most
 
 
 class _NotCached(Exception):
@@ -74,6 +79,10 @@ class Reader:
         self._verified: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._remote_cache: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
         self._remote_bytes = 0
+        # the first bytes of a record a window ended inside, not verified yet: its fetch
+        # reads only the rest
+        self._partial: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
+        self._partial_bytes = 0
         self._inflight: dict[tuple[int, int, int], threading.Event] = {}  # (seg, start, end)
         self.max_fds = max_fds
         self._scratch = bytearray(HDR + (1 << 20) + 8)
@@ -263,14 +272,20 @@ class Reader:
                             pending = ev
                             break
                 if pending is None:
-                    span = (e.seg, e.rec_pos, e.rec_pos + max(REMOTE_WINDOW, need))
+                    size = need if need >= REMOTE_ALONE else REMOTE_WINDOW
+                    span = (e.seg, e.rec_pos, e.rec_pos + size)
                     done = self._inflight[span] = threading.Event()
+                    head = self._partial.pop(key, None)
+                    if head is not None:
+                        self._partial_bytes -= len(head)
             if pending is None:
                 break
             pending.wait()
             waited = True
         try:
-            whole = self._fetch_window(e, span[2] - span[1])
+            whole = self._fetch_window(e, span[2] - span[1], head)
+            if whole is None and head is not None:  # the head may be what is wrong
+                whole = self._fetch_window(e, span[2] - span[1])
         finally:
             with self._lock:
                 del self._inflight[span]
@@ -279,10 +294,17 @@ class Reader:
             self._corrupt(e)
         return whole
 
-    def _fetch_window(self, e: Extent, length: int) -> memoryview | None:
-        """Read `length` bytes of e's object from e's record on; cache every whole data record
-        that verifies; return e's record (None if it does not verify)."""
-        data = memoryview(self._pread(e.seg, length, e.rec_pos))
+    def _fetch_window(self, e: Extent, length: int,
+                      head: memoryview | None = None) -> memoryview | None:
+        """Read `length` bytes of e's object from e's record on (of which `head`, if given, holds
+        the first bytes already); cache every whole data record that verifies, and the head of
+        a data record the window ends inside; return e's record (None if it does not verify)."""
+        if head is None:
+            data = memoryview(self._pread(e.seg, length, e.rec_pos))
+        else:
+            rest = self._pread(e.seg, max(length, HDR + e.rec_len) - len(head),
+                               e.rec_pos + len(head))
+            data = memoryview(b"".join((head, rest)))
         first = None
         p = 0
         while p + HDR <= len(data):
@@ -291,7 +313,11 @@ class Reader:
                 break  # the seal table or the footer: no more records
             rtype, rlen = h[0], h[1]
             end = p + HDR + rlen
-            if end > len(data) or (p == 0 and rlen != e.rec_len):
+            if p == 0 and rlen != e.rec_len:
+                break
+            if end > len(data):
+                if rtype in fmt.DATA_TYPES and p > 0:
+                    self._keep_partial((e.seg, e.rec_pos + p), data[p:])
                 break
             if p == 0 or rtype in fmt.DATA_TYPES:
                 whole = data[p:end]
@@ -312,6 +338,16 @@ class Reader:
             while self._remote_bytes > REMOTE_CACHE_BYTES:
                 _k, old = self._remote_cache.popitem(last=False)
                 self._remote_bytes -= len(old)
+
+    def _keep_partial(self, key: tuple[int, int], head: memoryview) -> None:
+        with self._lock:
+            if key in self._partial or key in self._remote_cache:
+                return
+            self._partial[key] = head
+            self._partial_bytes += len(head)
+            while self._partial_bytes > PARTIAL_BYTES:
+                _k, old = self._partial.popitem(last=False)
+                self._partial_bytes -= len(old)
 
     def _remember(self, e: Extent, whole: bytes | memoryview) -> None:
         """A local record just verified: remember that, not its bytes (bounded LRU)."""
