@@ -264,9 +264,13 @@ def test_remote_reads_fetch_windows_verify_each_record_and_never_return_bad_byte
 
     whole1 = b"".join(payload[1, k] for k in range(12))
     assert bytes(r.read(exts[1], 0, 12 * size, 12 * size)) == whole1
-    # one request per window, not one per record; each window starts at a record it needs
+    # one request per window, not one per record. A window that ends inside a record leaves
+    # its head for the next, which reads on from there; the window holding the damaged record
+    # stops parsing at it (never stepping over a bad header), so what follows it in that window
+    # is fetched again: at most one window more than the object
     assert len(obj.reads) <= (len(seg) // REMOTE_WINDOW) + 2
-    assert all(n >= REMOTE_WINDOW for _o, n in obj.reads)
+    fetched = sum(min(o + n, len(seg)) - o for o, n in obj.reads)
+    assert fetched <= len(seg) + REMOTE_WINDOW, obj.reads
     n_first = len(obj.reads)
     # file 2's healthy records came with those windows: read from memory, no new request
     assert bytes(r.read(exts[2][:5], 0, 5 * size, 12 * size)) == b"".join(
