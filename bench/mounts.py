@@ -165,10 +165,10 @@ def warm_memory(nbytes: int) -> dict:
 
     On this VM the guest reports free memory to the host (virtio-balloon free page
     reporting): the first write to a page the host took back runs at ~0.38 GiB/s, to a page
-    freed recently at ~2.2 GiB/s (bench/README.md, 2026-12-03 night). A restore straight after
-    a save finds only such cold free pages, while one after a page-cache drop reuses the pages
-    just dropped; without this step the hot restore through a FUSE mount measured the
-    hypervisor, not the mount. Done for every target alike."""
+    freed recently at ~2.2 GiB/s (bench/README.md, "the hypervisor's free pages"). A restore
+    straight after a save finds only such cold free pages, while one after a page-cache drop
+    reuses the pages just dropped; without this step the hot restore through a FUSE mount
+    measured the hypervisor, not the mount. Done for every target alike."""
     t0 = time.monotonic()
     if nbytes <= 0:
         return {"bytes": 0, "seconds": 0.0}

@@ -199,7 +199,8 @@ def stats_delta(before: dict, after: dict) -> dict:
 
 
 def main() -> int:
-    """`python -m bench.nasemu BACKING MNT [flags]`: mount in the foreground until Ctrl-C."""
+    """`python -m bench.nasemu BACKING MNT [flags]`: mount in the foreground until Ctrl-C, SIGTERM
+    or an unmount from outside."""
     import argparse
     import threading
 
@@ -221,9 +222,13 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with NasEmu(a.backing, a.mountpoint, a.meta_latency_us, a.meta_ops_per_sec, a.bandwidth_mbps):
+    with NasEmu(a.backing, a.mountpoint, a.meta_latency_us, a.meta_ops_per_sec,
+                a.bandwidth_mbps) as emu:
         print(f"nasemu mounted at {a.mountpoint}; Ctrl-C to unmount", flush=True)
-        stop.wait()
+        # until Ctrl-C/SIGTERM, or until the emulator exits (unmounted from outside)
+        while not stop.wait(0.5):
+            if emu.proc is not None and emu.proc.poll() is not None:
+                break
     return 0
 
 
