@@ -316,8 +316,8 @@ class Reader:
             if p == 0 and rlen != e.rec_len:
                 break
             if end > len(data):
-                if rtype in fmt.DATA_TYPES and p > 0:
-                    self._keep_partial((e.seg, e.rec_pos + p), data[p:])
+                if rtype in fmt.DATA_TYPES and p > 0:  # a copy: a view would pin the window
+                    self._keep_partial((e.seg, e.rec_pos + p), memoryview(bytes(data[p:])))
                 break
             if p == 0 or rtype in fmt.DATA_TYPES:
                 whole = data[p:end]

@@ -139,7 +139,7 @@ def test_a_restore_from_shared_reads_each_record_once(make_mount: MakeMount) -> 
     (a.mnt / "step_1").mkdir()
     shards = {f"step_1/__{r}_{i}.distcp": blob(f"shard{r}.{i}", (300 + 97 * (4 * r + i)) << 10)
               for r in range(4) for i in range(4)}
-    write_files(a.mnt, shards)  # one record each (all under 1 MiB), ranks interleaved
+    write_files(a.mnt, shards)  # 1 MiB records and the rest, ranks interleaved
     small = {f"step_1/small{i}": blob(f"small{i}", 5000 + 37 * i) for i in range(64)}
     for rel, data in small.items():
         (a.mnt / rel).write_bytes(data)
