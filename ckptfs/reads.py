@@ -302,8 +302,7 @@ class Reader:
         if head is None:
             data = memoryview(self._pread(e.seg, length, e.rec_pos))
         else:
-            rest = self._pread(e.seg, max(length, HDR + e.rec_len) - len(head),
-                               e.rec_pos + len(head))
+            rest = self._pread(e.seg, length - len(head), e.rec_pos + len(head))
             data = memoryview(b"".join((head, rest)))
         first = None
         p = 0
