@@ -42,6 +42,8 @@ ALIGN = 4096  # file offsets, lengths and buffer addresses of direct writes
 # the daemon lets data records complete on the writer thread (0: the trio thread writes them)
 PIPELINE = os.environ.get("CKPTFS_PIPELINE", "1") != "0"
 PIPELINE_DEPTH = 8  # data records queued for the writer thread at most
+# a data record smaller than this, with nothing queued, is written by the trio thread itself
+QUEUE_MIN = int(os.environ.get("CKPTFS_QUEUE_MIN", str(64 << 10)))
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 
 
@@ -215,7 +217,7 @@ class SegmentLog:
         size = fmt.record_size(n)
         self.submitted = None
         if (later is not None and self.token is not None and self.fd >= 0
-                and rtype in _DIRECT_TYPES
+                and rtype in _DIRECT_TYPES and (self.queued or n >= QUEUE_MIN)
                 and self.tail + size + 3 * ALIGN < self.segment_size):
             if len(self.queued) >= PIPELINE_DEPTH:
                 self._finish(self.queued[0])  # the oldest: usually written already
