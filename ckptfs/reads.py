@@ -27,10 +27,12 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Protocol
 
 from ckptfs import segment as fmt
 from ckptfs.errors import CorruptData, FsError
+from ckptfs.fdcache import FdCache
 from ckptfs.index import VSEG_BIT, Extent
 from ckptfs.shared import SharedError
 
@@ -75,7 +77,7 @@ class Reader:
         self.cold_segs: set[int] = set()
         self.cold_by_node: dict[str, Any] = {}  # other nodes' cold stores, from manifests
         self._lock = threading.Lock()
-        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._fds = FdCache(max_fds)
         self._verified: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._remote_cache: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
         self._remote_bytes = 0
@@ -84,7 +86,6 @@ class Reader:
         self._partial: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
         self._partial_bytes = 0
         self._inflight: dict[tuple[int, int, int], threading.Event] = {}  # (seg, start, end)
-        self.max_fds = max_fds
         self._scratch = bytearray(HDR + (1 << 20) + 8)
         self.max_verified = max_verified
         self.corrupt_reads = 0
@@ -97,10 +98,7 @@ class Reader:
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
             self._prefetcher = None
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self._fds.close()
 
     def forget(self, seg: int) -> None:
         """The local file of `seg` is going away (evicted): from now on its bytes come from
@@ -109,35 +107,28 @@ class Reader:
             self.evicted.add(seg)
             for key in [k for k in self._verified if k[0] == seg]:
                 del self._verified[key]
-            fd = self._fds.pop(seg, None)
-            if fd is not None:
-                os.close(fd)
+        self._fds.drop(seg)  # after `evicted` has it: no borrow opens it again
 
     def is_local(self, e: Extent) -> bool:
         return not e.seg & VSEG_BIT and e.seg not in self.evicted
 
-    def _fd(self, seg: int) -> int | None:
-        with self._lock:
-            fd = self._fds.get(seg)
-            if fd is not None:
-                self._fds.move_to_end(seg)
-                return fd
+    def _local(self, seg: int) -> AbstractContextManager[int | None]:
+        """The open local segment file of `seg` for the length of a with block, or None if
+        it is not on local disk."""
+        def opener() -> int | None:
             if seg & VSEG_BIT or seg in self.evicted:
                 return None
             try:
-                fd = os.open(self.seg_path(seg), os.O_RDONLY)
+                return os.open(self.seg_path(seg), os.O_RDONLY)
             except FileNotFoundError:
                 return None
-            self._fds[seg] = fd
-            if len(self._fds) > self.max_fds:
-                _, old = self._fds.popitem(last=False)
-                os.close(old)
-            return fd
+
+        return self._fds.borrow(seg, opener)
 
     def _pread(self, seg: int, length: int, offset: int) -> bytes:
-        fd = self._fd(seg)
-        if fd is not None:
-            return os.pread(fd, length, offset)
+        with self._local(seg) as fd:
+            if fd is not None:
+                return os.pread(fd, length, offset)
         if self.remote is None:
             raise FsError(errno.EIO, f"segment {fmt.segment_name(seg)} is not on local disk")
         node, sid = self.objrefs[seg] if seg & VSEG_BIT else (self.node, seg)
@@ -165,12 +156,11 @@ class Reader:
         """Like _pread, but a local read lands in the trio thread's scratch buffer: no
         allocation and no page faults per request. Valid until the next such read, which is
         enough for a read answered inline (pyfuse3 replies before another request runs)."""
-        fd = self._fd(seg)
-        if fd is None:
-            return self._pread(seg, length, offset)
-        view = self._scratch_view(length)
-        got = os.preadv(fd, [view], offset)
-        return view[:got]
+        with self._local(seg) as fd:
+            if fd is not None:
+                view = self._scratch_view(length)
+                return view[:os.preadv(fd, [view], offset)]
+        return self._pread(seg, length, offset)
 
     def _scratch_view(self, n: int) -> memoryview:
         if len(self._scratch) < n:  # replaced, never resized: a view of the old one may live on
@@ -188,10 +178,11 @@ class Reader:
             if self.is_local(e):
                 if e.end <= local[0] or e.start >= local[1]:
                     continue
-                fd = self._fd(e.seg)
-                if fd is not None and hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, e.rec_pos, HDR + e.rec_len, os.POSIX_FADV_WILLNEED)
-                    self.ahead["local"] += 1
+                with self._local(e.seg) as fd:
+                    if fd is not None and hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, e.rec_pos, HDR + e.rec_len,
+                                         os.POSIX_FADV_WILLNEED)
+                        self.ahead["local"] += 1
             elif self.remote is not None and remote[0] < e.end and e.start < remote[1]:
                 with self._lock:
                     if (e.seg, e.rec_pos) in self._remote_cache or any(
@@ -404,14 +395,15 @@ class Reader:
             if s > at:
                 out[at - off:s - off] = bytes(s - at)
             dst = out[s - off:t - off]
-            fd = None
+            done = False
             if self.is_local(e):
                 with self._lock:
                     known = (e.seg, e.rec_pos) in self._verified
                 if known:
-                    fd = self._fd(e.seg)  # takes the lock itself
-            pos = e.rec_pos + HDR + e.skip + (s - e.start)
-            if fd is None or os.preadv(fd, [dst], pos) != t - s:
+                    pos = e.rec_pos + HDR + e.skip + (s - e.start)
+                    with self._local(e.seg) as fd:
+                        done = fd is not None and os.preadv(fd, [dst], pos) == t - s
+            if not done:
                 dst[:] = self.read_extent(e, s - e.start, t - s, cached_only)
             at = t
         if at < end:

@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 
 from ckptfs import layout
 from ckptfs import segment as fmt
+from ckptfs.fdcache import FdCache
 
 NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 OBJ_RE = re.compile(r"^([0-9a-f]{16})\.seg$")
@@ -99,8 +100,7 @@ class SharedStore:
         self.bytes_uploaded = 0
         self.bytes_read = 0
         self._known_dirs: set[str] = set()
-        self._read_fds: dict[tuple[str, int], int] = {}
-        self._read_lock = threading.Lock()
+        self._read_fds = FdCache(256)  # objects being read (a restore reads them again and again)
         self._where: dict[tuple[str, int], str] = {}  # objects found inside a batch directory
 
     def _op(self, name: str, n: int = 1) -> None:
@@ -350,6 +350,8 @@ class SharedStore:
 
     def delete_object(self, node: str, seg: int) -> None:
         path = self.object_path(node, seg)
+        # not held open: NFS would keep a deleted open file as .nfsXXXX, and its directory
+        self._read_fds.drop((node, seg))
         self._op("unlink")
         try:
             os.unlink(path)
@@ -442,18 +444,14 @@ class SharedStore:
             return f.read()
 
     def read_range(self, node: str, seg: int, offset: int, length: int) -> bytes:
-        with self._read_lock:
-            fd = self._read_fds.get((node, seg))
-            if fd is None:
-                path = self.object_path(node, seg)
-                self._op("open")
-                fd = os.open(path, os.O_RDONLY)
-                if len(self._read_fds) > 256:
-                    for old in list(self._read_fds.values()):
-                        os.close(old)
-                    self._read_fds.clear()
-                self._read_fds[(node, seg)] = fd
-        data = os.pread(fd, length, offset)
+        def opener() -> int:
+            path = self.object_path(node, seg)
+            self._op("open")
+            return os.open(path, os.O_RDONLY)
+
+        with self._read_fds.borrow((node, seg), opener) as fd:
+            assert fd is not None
+            data = os.pread(fd, length, offset)
         self.bytes_read += len(data)
         return data
 
@@ -472,10 +470,7 @@ class SharedStore:
                 yield b
 
     def close(self) -> None:
-        with self._read_lock:
-            for fd in self._read_fds.values():
-                os.close(fd)
-            self._read_fds.clear()
+        self._read_fds.close()
 
 
 def _remove(path: str) -> None:
