@@ -219,10 +219,22 @@ class Reader:
                 if known:
                     self._verified.move_to_end(key)
             pread = self._pread_scratch if scratch else self._pread
-            if known:
-                data = pread(e.seg, n, e.rec_pos + start)
-                if len(data) == n:
-                    return data
+            if known:  # verified before: read just the range, from this local file only
+                with self._local(e.seg) as fd:
+                    if fd is not None:
+                        if scratch:
+                            view = self._scratch_view(n)
+                            data = view[:os.preadv(fd, [view], e.rec_pos + start)]
+                        else:
+                            data = os.pread(fd, n, e.rec_pos + start)
+                        if len(data) == n:
+                            return data
+                    elif not self.is_local(e):
+                        # evicted since we looked: from the store then, verified there (a
+                        # verification of the local copy vouches for nothing else)
+                        rec = self._remote_record(e, cached_only)
+                        assert rec is not None
+                        return rec[start:start + n]
         else:
             rec = self._remote_record(e, cached_only)
             assert rec is not None  # report=True raises instead
@@ -265,10 +277,15 @@ class Reader:
                 if pending is None:
                     size = need if need >= REMOTE_ALONE else REMOTE_WINDOW
                     span = (e.seg, e.rec_pos, e.rec_pos + size)
-                    done = self._inflight[span] = threading.Event()
-                    head = self._partial.pop(key, None)
-                    if head is not None:
-                        self._partial_bytes -= len(head)
+                    # the same fetch started since by a reader that waited with us: a new
+                    # one, so wait for it too (never replace its entry: its waiters would
+                    # never be woken)
+                    pending = self._inflight.get(span)
+                    if pending is None:
+                        done = self._inflight[span] = threading.Event()
+                        head = self._partial.pop(key, None)
+                        if head is not None:
+                            self._partial_bytes -= len(head)
             if pending is None:
                 break
             pending.wait()
@@ -278,9 +295,12 @@ class Reader:
             if whole is None and head is not None:  # the head may be what is wrong
                 whole = self._fetch_window(e, span[2] - span[1])
         finally:
-            with self._lock:
-                del self._inflight[span]
-            done.set()
+            try:
+                with self._lock:
+                    if self._inflight.get(span) is done:
+                        del self._inflight[span]
+            finally:
+                done.set()
         if whole is None and report:
             self._corrupt(e)
         return whole
