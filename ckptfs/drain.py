@@ -443,8 +443,11 @@ class Drain:
 
     def _open_sealed(self, seg: int, size: int) -> fmt.SealedSegment:
         path = self.seg_path(seg)
-        if os.path.exists(path):
+        try:
             fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # evicted (it is published): read it from the store
+            fd = -1
+        if fd >= 0:
             try:
                 return fmt.SealedSegment(path, size, lambda o, n: os.pread(fd, n, o)), fd
             except BaseException:
@@ -461,6 +464,12 @@ class Drain:
         """Published-view thread: apply newly published segments, publish the manifest (if
         wanted, or if the view now covers `need`, the oldest position a waiter waits for)."""
         for seg, size, dropped in ready:
+            # A retry of this call (an attempt failed after applying some of `ready`, e.g.
+            # the manifest's put) must not apply a record twice: a CREATE of a.tmp applied
+            # again after its RENAME to a would bring a.tmp back into the view.
+            done_seg, done_pos, _seq = self.pub.applied
+            if seg < done_seg or (seg == done_seg and done_pos >= size):
+                continue
             if dropped:
                 self.dropped.add(seg)
             if self.pub.get_segment(seg) is None:
@@ -468,6 +477,8 @@ class Drain:
             sealed, fd = self._open_sealed(seg, size)
             try:
                 for rec in sealed.records():
+                    if seg == done_seg and rec.pos < done_pos:
+                        continue  # applied by the attempt that failed part-way through
                     self.pub.apply(seg, rec)
             finally:
                 if fd >= 0:
@@ -492,11 +503,16 @@ class Drain:
             return
         self.store.check()  # never publish into a shared filesystem that is not mounted
         self.store.put_manifest(self.node, self.published_seq, data)
-        self.pub.commit()
-        self.store.prune_manifests(self.node, keep=2)
+        # published: a retry after a failure below must not put this manifest again (a
+        # published object is never replaced)
         self.manifest_seq = self.published_seq
         self.stats.manifests_published += 1
         log.info("published manifest %016x (%d bytes)", self.published_seq, len(data))
+        self.pub.commit()
+        try:
+            self.store.prune_manifests(self.node, keep=2)
+        except OSError as e:  # the next manifest prunes them
+            log.warning("removing old manifests from SHARED failed: %s", describe_oserror(e))
 
     def close(self) -> None:
         self._pub_thread.submit(self.pub.close, True).result()
