@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -311,8 +312,11 @@ class Drain:
             return
         t0 = time.monotonic()
 
+        lock = threading.Lock()  # S3 parts of one object report from several threads
+
         def progress(seg: int, n: int) -> None:
-            self.in_flight[seg] = self.in_flight.get(seg, 0) + n
+            with lock:
+                self.in_flight[seg] = self.in_flight.get(seg, 0) + n
 
         def upload(items: list[tuple[int, int]]) -> int:
             for seg, _size in items:

@@ -154,7 +154,10 @@ class Collector:
         if max(seg for seg, _s, _z in ripe) >= self.snapshot_seg:
             await self.commit()
             await trio.to_thread.run_sync(take_snapshot, self.index, self.nvme)
-            self.snapshot_seg = self.index.applied[0]
+            # what the snapshot holds, not what the index holds by now: requests (and the
+            # index's commits) went on while it was copied, and replay from the snapshot
+            # needs every segment from its own position on
+            self.snapshot_seg = await trio.to_thread.run_sync(self._snapshot_seg)
             self.stats.snapshots += 1
         ripe = [r for r in ripe if r[0] < self.snapshot_seg]
         for seg, state, size in ripe:

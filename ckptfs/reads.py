@@ -246,7 +246,8 @@ class Reader:
         return memoryview(whole)[start:start + n]
 
     def _corrupt(self, e: Extent) -> None:
-        self.corrupt_reads += 1
+        with self._lock:
+            self.corrupt_reads += 1
         name = (f"{self.objrefs[e.seg][0]}/{fmt.segment_name(self.objrefs[e.seg][1])}"
                 if e.seg & VSEG_BIT and e.seg in self.objrefs else fmt.segment_name(e.seg))
         where = f"segment {name} record at offset {e.rec_pos}"

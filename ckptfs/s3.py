@@ -67,6 +67,11 @@ class S3Store:
         with self._ops_lock:
             self.ops[name] = self.ops.get(name, 0) + n
 
+    def _count(self, attr: str, n: int) -> None:
+        """Add to a byte counter (parts and reads report from several threads)."""
+        with self._ops_lock:
+            setattr(self, attr, getattr(self, attr) + n)
+
     def _key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
 
@@ -188,7 +193,7 @@ class S3Store:
                 limiter.take(len(data))
             h.update(data)
             self._call("put", self.client.put_object, Key=key, Body=data)
-            self.bytes_uploaded += len(data)
+            self._count("bytes_uploaded", len(data))
             if progress is not None:
                 progress(len(data))
             return len(data), h.hexdigest()
@@ -206,13 +211,18 @@ class S3Store:
                     limiter.take(len(data))
                 r = self._call("upload_part", self.client.upload_part, Key=key,
                                UploadId=upload_id, PartNumber=i + 1, Body=data)
-                self.bytes_uploaded += len(data)
+                self._count("bytes_uploaded", len(data))
                 if progress is not None:
                     progress(len(data))
                 return {"PartNumber": i + 1, "ETag": r["ETag"]}
 
             futs = [self._pool.submit(send, i, off) for i, off in enumerate(offsets)]
-            parts = [f.result() for f in futs]
+            try:
+                parts = [f.result() for f in futs]
+            finally:  # after a failed part, none still queued or on its way when we abort
+                for f in futs:
+                    f.cancel()
+                concurrent.futures.wait(futs)
             self._call("complete_multipart", self.client.complete_multipart_upload, Key=key,
                        UploadId=upload_id, MultipartUpload={"Parts": parts})
         except BaseException:
@@ -308,7 +318,7 @@ class S3Store:
         r = self._call("get_range", self.client.get_object, Key=self.object_key(node, seg),
                        Range=f"bytes={offset}-{offset + length - 1}")
         data = r["Body"].read()
-        self.bytes_read += len(data)
+        self._count("bytes_read", len(data))
         return data
 
     def object_size(self, node: str, seg: int) -> int:

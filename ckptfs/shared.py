@@ -452,7 +452,8 @@ class SharedStore:
         with self._read_fds.borrow((node, seg), opener) as fd:
             assert fd is not None
             data = os.pread(fd, length, offset)
-        self.bytes_read += len(data)
+        with self._ops_lock:  # reads run on several threads
+            self.bytes_read += len(data)
         return data
 
     def object_size(self, node: str, seg: int) -> int:
