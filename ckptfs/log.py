@@ -151,10 +151,23 @@ class SegmentLog:
 
     def _open_new(self) -> None:
         ids = self.existing()
-        self.seg_id = max([self.seg_id, self.id_floor, *ids]) + 1
-        path = self.path(self.seg_id)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        os.pwrite(self.fd, fmt.segment_header(self.seg_id, self.node_id, time.time_ns()), 0)
+        seg_id = max([self.seg_id, self.id_floor, *ids]) + 1
+        path = self.path(seg_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        head = fmt.segment_header(seg_id, self.node_id, time.time_ns())
+        try:
+            if os.pwrite(fd, head, 0) != len(head):
+                raise OSError(errno.ENOSPC, "short write of a segment header")
+        except BaseException:
+            # a full disk: no headerless file for the next append to write records into
+            # (replay would skip all of it); the next append tries a new file again
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        self.fd, self.seg_id = fd, seg_id
         self.tail = fmt.SEGMENT_HEADER_SIZE
         self._open_direct(path)
         self.rows = bytearray()

@@ -158,3 +158,54 @@ def test_a_failed_queued_write_takes_back_the_queue_behind_it(small_tmpfs: Path)
     assert ns2.read(f, first_bad << 20, 1 << 20) == bytes(1 << 20)  # a hole, as never written
     log2.close()
     index2.close()
+
+
+def fill(d: Path) -> Path:
+    """Fill the filesystem of `d` to the last byte; returns the filler."""
+    p = d / "filler"
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for block in (1 << 16, 512, 1):
+            try:
+                while os.write(fd, bytes(block)) > 0:
+                    pass
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return p
+
+
+def test_a_full_disk_as_a_segment_starts_leaves_no_headerless_segment(tmp_path: Path) -> None:
+    """The disk is full when a new segment file gets its header: the append fails with
+    ENOSPC and leaves no file behind. Once there is room, what is appended and fsynced is in
+    a proper segment and replays (it went into a headerless file that replay skipped)."""
+    segs = tmp_path / "segments"
+    segs.mkdir()
+    sh("mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(segs))
+    try:
+        index, log, ns = make(tmp_path, 1 << 20)
+        a = ns.create(ROOT_INO, b"before", 0o644, 0, 0).ino
+        ns.write(a, 0, b"A" * 5000)
+        ns.seal("idle")  # the next append starts a segment
+        trio.run(log.sync)
+        filler = fill(segs)
+        with pytest.raises(OSError) as e:
+            ns.create(ROOT_INO, b"refused", 0o644, 0, 0)
+        assert e.value.errno == errno.ENOSPC
+        assert len(log.existing()) == 1, "a segment file without a header was left"
+        filler.unlink()
+        b = ns.create(ROOT_INO, b"acked", 0o644, 0, 0).ino
+        ns.write(b, 0, b"B" * 3000)
+        trio.run(log.sync)
+        log.close()
+        index.close()
+        index2, log2, ns2 = reopen(tmp_path, 1 << 20)
+        assert index2.lookup(ROOT_INO, b"refused") is None
+        got = index2.lookup(ROOT_INO, b"acked")
+        assert got is not None and ns2.read(got, 0, 3000) == b"B" * 3000
+        assert ns2.read(index2.lookup(ROOT_INO, b"before"), 0, 5000) == b"A" * 5000
+        log2.close()
+        index2.close()
+    finally:
+        subprocess.run(["umount", "-l", str(segs)], check=False, capture_output=True, timeout=30)
