@@ -25,7 +25,7 @@ from ckptfs.drain import Drain
 from ckptfs.gc import Collector
 from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.drain import PUBLISHED_DIR
-from ckptfs.index import ROOT_INO, Index, IndexCommitError, SegState, read_applied
+from ckptfs.index import VSEG_BIT, ROOT_INO, Index, IndexCommitError, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
 from ckptfs.shared import PUBLISH_BATCH, SharedError, SharedStore, check_node_id, open_store
 from ckptfs.log import PIPELINE, SegmentLog
@@ -231,7 +231,10 @@ class Daemon:
         except OSError as e:
             log.warning("shared store not readable at mount (%s); continuing on NVMe", e)
             objs, mans = [], []
-        self.seglog.id_floor = max(objs, default=0)
+        # never reuse a segment id: not one published (listing SHARED may have failed), nor
+        # one the index still knows whose local file is gone (evicted)
+        self.seglog.id_floor = max([*objs, *(s for s, _i in self.index.iter_segments()
+                                             if not s & VSEG_BIT)], default=0)
         self.seglog.seq = max(self.seglog.seq, max(mans, default=0))
         self.reader = Reader(self.seglog.path, cfg.node_id, self.store)
         self.reader.cold = self.cold
@@ -294,6 +297,9 @@ class Daemon:
                                      (json.dumps(ident) + "\n").encode())
         except OSError as e:
             log.warning("cannot read manifests from the shared store at mount: %s", e)
+        # the index never says more than the disk holds: the records appended above (orphans
+        # purged, imports, a new root's owner) are flushed before the commit that covers them
+        self.seglog.sync_now()
         self.index.commit()
         self.control_path = layout.control_socket_path(cfg.nvme)
 
