@@ -275,10 +275,24 @@ class SegmentLog:
 
     def _pwritev(self, parts: list, size: int) -> None:
         """Buffered append at the tail."""
-        n = os.pwritev(self.fd, parts, self.tail)
+        try:
+            n = os.pwritev(self.fd, parts, self.tail)
+        except OSError:
+            self._cut()
+            raise
         if n != size:  # ENOSPC mid-record: leave the tail where it was, never a torn record
+            self._cut()
             raise OSError(errno.ENOSPC, "short write to the log")
         self.tail += size
+
+    def _cut(self) -> None:
+        """After a failed or short write: drop whatever part of it reached the file past the
+        tail. Left there, it would sit after the footer once the segment is sealed (the
+        object's size would not be the segment's), or be taken by replay for records."""
+        try:
+            os.ftruncate(self.fd, self.tail)
+        except OSError as e:  # the next append overwrites it anyway; sealing cuts again
+            log.warning("cannot cut the log back to %d after a failed write: %s", self.tail, e)
 
     def _pad(self, gap: int) -> None:
         """A buffered PAD record filling `gap` bytes (>= a record header) from the tail."""
@@ -330,10 +344,12 @@ class SegmentLog:
             done = os.pwritev(self.dfd, [view], self.tail)
         except OSError as e:
             if e.errno != errno.EINVAL:
+                self._cut()
                 raise
             self._no_direct(f"O_DIRECT write refused: {e.strerror}")
             return None
         if done != len(view):
+            self._cut()
             raise OSError(errno.ENOSPC, "short write to the log")
         pos = self.tail
         self.tail += len(view)
@@ -446,6 +462,7 @@ class SegmentLog:
             job.retry = True
         self.queued.clear()
         self.tail = failed.pos
+        self._cut()  # the failed write may have written part of itself
         self._halt = False
 
     def join(self) -> None:
@@ -508,12 +525,19 @@ class SegmentLog:
         self.join()
         if not self.has_records():
             return None
-        res = self.append(RecType.SEAL, 0, 0, bytes(self.rows))
-        assert res is not None
-        seg_id, rec = res
-        foot = fmt.footer(rec.pos, len(self.rows) // fmt.SEAL_ROW.size)
-        os.pwrite(self.fd, foot, self.tail)
-        self.tail += len(foot)
+        payload = bytes(self.rows)
+        now = time.time_ns()
+        self.seq += 1
+        parts = fmt.encode_record(RecType.SEAL, 0, 0, now, self.seq, payload)
+        rsize = fmt.record_size(len(payload))
+        pos = self.tail
+        foot = fmt.footer(pos, len(self.rows) // fmt.SEAL_ROW.size)
+        # the SEAL record and the footer in one write: on a failure neither stays (records
+        # appended after a SEAL would be past the end replay reads to)
+        self._pwritev([*parts, foot], rsize + len(foot))
+        rec = self._appended(RecType.SEAL, 0, 0, now, self.seq, payload, len(payload),
+                             parts[0], pos, rsize)
+        seg_id = self.seg_id
         size = self.tail
         self._unsynced.append(self.fd)
         self.fd = -1

@@ -125,7 +125,13 @@ class Namespace:
             self._active_seg = seg
         self.index.apply(seg, rec)
         if self.log.should_seal():
-            self.seal("size")
+            try:
+                self.seal("size")
+            except OSError as e:
+                # the operation is in the log and applied: it succeeded. The seal did not
+                # happen at all (SegmentLog.seal), and the next append tries again
+                log.warning("sealing the full segment failed (retried at the next append): %s",
+                            e)
 
     def seal(self, reason: str) -> int | None:
         """Seal the active segment; returns its id (or None if it was empty)."""

@@ -44,6 +44,17 @@ class ReplayReport:
         return dict(self.__dict__)
 
 
+def _finish_seal(path: str, end: int, seal: fmt.Record) -> None:
+    foot = fmt.footer(seal.pos, seal.length // fmt.SEAL_ROW.size)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, end)
+        os.pwrite(fd, foot, end)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
 def _has_footer(path: str, size: int) -> bool:
     if size < fmt.SEGMENT_HEADER_SIZE + fmt.FOOTER_SIZE:
         return False
@@ -182,10 +193,12 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
         if index.get_segment(seg) is None:
             index.set_segment(seg, SegState.ACTIVE)
         table = _seal_table(path, size)
+        last = None
         for rec in fmt.scan_segment(path, start, newest, result=scan, table=table):
             index.apply(seg, rec)
             rows += fmt.seal_row(rec)
             last_seq = rec.seq
+            last = rec
         seglog.seq = max(seglog.seq, last_seq)
         rep.records += scan.records
         rep.bytes_scanned += scan.end - start
@@ -195,6 +208,13 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
         if scan.torn_tail:
             rep.torn_tail = f"{path}: log ends at offset {scan.end} (torn record after it)"
             log.warning("%s", rep.torn_tail)
+        if scan.sealed and last is not None and last.type == fmt.RecType.SEAL \
+                and not _has_footer(path, size):
+            # the daemon died between the SEAL record and the footer reaching the file (one
+            # write, but not one page): finish the seal, so the segment can be read and drain
+            _finish_seal(path, scan.end, last)
+            size = os.path.getsize(path)
+            rep.recovered_tail = f"{path}: footer written after its SEAL record"
         if scan.sealed:
             st = index.get_segment(seg)
             if st is None or st.state == SegState.ACTIVE:

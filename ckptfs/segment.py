@@ -278,8 +278,12 @@ class ScanResult:
     corruption: list[CorruptRecord] | None = None
 
 
-def _find_next_valid(f: BinaryIO, start: int, file_size: int, path: str) -> int | None:
-    """Scan 8-byte aligned offsets after a bad record for a record that verifies."""
+def _find_next_valid(f: BinaryIO, start: int, file_size: int, path: str,
+                     table: dict[int, tuple] | None = None) -> int | None:
+    """Scan 8-byte aligned offsets after a bad record for a record that verifies. With a
+    sealed segment's record table, only where a record of it starts (or its SEAL): a record
+    found elsewhere is bytes inside a record, data that happens to hold records (a copied
+    segment file, say), never to be applied."""
     pos = start + 8
     chunk = 4 << 20
     while pos + RECORD_HEADER_SIZE <= file_size:
@@ -294,6 +298,9 @@ def _find_next_valid(f: BinaryIO, start: int, file_size: int, path: str) -> int 
                 break
             if (pos + j) % 8 == 0:
                 hdr = decode_header(mv[j:j + RECORD_HEADER_SIZE])
+                if table is not None and hdr is not None and pos + j not in table \
+                        and hdr[0] not in (RecType.SEAL, RecType.PAD):
+                    hdr = None
                 if hdr is not None and hdr[1] <= MAX_PAYLOAD:
                     need = RECORD_HEADER_SIZE + hdr[1]
                     if pos + j + need <= file_size:
@@ -360,8 +367,12 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                         return
                     pos = nxt
                     continue
-            # A bad record: torn tail or corruption?
-            nxt_valid = _find_next_valid(f, pos, size, path)
+            # A bad record: torn tail or corruption? The next record is looked for after
+            # this one's frame when its header is whole (its payload may hold anything,
+            # records too), else from just after it
+            frame = (pos + record_size(hdr[1])
+                     if hdr is not None and bad != "record runs past end of segment" else None)
+            nxt_valid = _find_next_valid(f, frame - 8 if frame else pos, size, path, table)
             if bad == "checksum mismatch" and hdr is not None and hdr[0] in DATA_TYPES \
                     and nxt_valid == pos + record_size(hdr[1]):
                 # a damaged data record whose frame is intact: keep its extent in the index
@@ -386,6 +397,15 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                     res.torn_tail = True
                     return
                 res.corruption.append(CorruptRecord(path, pos, bad or "invalid record"))
+                return
+            if newest and table is None and frame is None:
+                # the active segment is written front to back: what verifies after a record
+                # that is not even whole is nothing this log can vouch for (stale bytes of a
+                # failed write, or a write torn by a power loss before what follows it)
+                res.corruption.append(CorruptRecord(
+                    path, pos, f"{bad or 'invalid record'}; the log is replayed up to here, "
+                    f"not from {nxt_valid} on"))
+                res.torn_tail = True
                 return
             res.corruption.append(CorruptRecord(path, pos, bad or "invalid record"))
             pos = nxt_valid

@@ -574,3 +574,68 @@ def test_segment_versions_one_and_two_are_read_and_others_refused() -> None:
         assert fmt.parse_segment_header(header(v), "x")[0] == 7
     with pytest.raises(fmt.CorruptRecord, match="unsupported segment version 3"):
         fmt.parse_segment_header(header(3), "x")
+
+
+@pytest.mark.parametrize("sealed", [True, False])
+def test_records_inside_a_damaged_records_payload_are_never_applied(tmp_path: Path,
+                                                                      sealed: bool) -> None:
+    """A file's data may hold bytes that are valid records (a copied segment, say). When the
+    header of the record carrying them is damaged, replay must not take them for the log's
+    own records: in a sealed segment only its record table's positions count; in the active
+    segment the scan stops there."""
+    index, log, ns = make(tmp_path, seg_size=16 << 20)
+    keep = ns.create(ROOT_INO, b"important", 0o644, 0, 0).ino
+    ns.write(keep, 0, b"k" * 100)
+    forged = b"".join(bytes(p) for p in fmt.encode_record(
+        RecType.UNLINK, ROOT_INO, 0, 1, log.seq + 1000, b"important"))
+    carrier = ns.create(ROOT_INO, b"copy", 0o644, 0, 0).ino
+    ns.write(carrier, 0, forged + bytes(4000))
+    ns.create(ROOT_INO, b"after", 0o644, 0, 0)
+    pos = index.extents_in(carrier, 0, 1)[0].rec_pos
+    seg = log.seg_id
+    if sealed:
+        ns.seal("idle")
+    trio.run(log.sync)
+    close(index, log)
+    with open(log.path(seg), "r+b") as fh:  # the carrier's header: bad magic
+        fh.seek(pos)
+        fh.write(b"\0\0\0\0")
+    index2, log2, ns2 = reopen_allowing_corruption(tmp_path, 16 << 20)
+    assert index2.lookup(ROOT_INO, b"important") == keep, "a record inside data was applied"
+    assert ns2.read(keep, 0, 100) == b"k" * 100
+    # sealed: the table knows where the next record starts, so what follows is kept
+    assert (index2.lookup(ROOT_INO, b"after") is not None) == sealed
+    close(index2, log2)
+
+
+def reopen_allowing_corruption(root: Path, seg_size: int) -> tuple[Index, SegmentLog, Namespace]:
+    shutil.rmtree(root / "index")
+    index = Index(str(root / "index"))
+    log = SegmentLog(str(root / "segments"), "t0", seg_size)
+    rep = replay(index, log)
+    assert rep.corruption  # the damage is reported
+    return index, log, Namespace(index, log, Reader(log.path))
+
+
+def test_a_seal_torn_before_its_footer_is_finished_at_replay(tmp_path: Path) -> None:
+    """The daemon died with a segment's SEAL record on disk but not its footer: replay
+    writes the footer, so the segment reads as sealed (the drain can publish it) and nothing
+    in it is lost."""
+    index, log, ns = make(tmp_path, seg_size=16 << 20)
+    f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+    ns.write(f, 0, b"x" * 3000)
+    seg = ns.seal("idle")
+    g = ns.create(ROOT_INO, b"g", 0o644, 0, 0).ino  # a newer segment
+    trio.run(log.sync)
+    close(index, log)
+    path = log.path(seg)
+    size = os.path.getsize(path)
+    os.truncate(path, size - fmt.FOOTER_SIZE)
+    index2, log2, ns2 = reopen(tmp_path, 16 << 20)
+    assert os.path.getsize(path) == size
+    with open(path, "rb") as fh:
+        sealed = fmt.SealedSegment(path, size, lambda o, n: os.pread(fh.fileno(), n, o))
+        assert len(list(sealed.records())) >= 2
+    assert ns2.read(f, 0, 3000) == b"x" * 3000
+    assert index2.lookup(ROOT_INO, b"g") == g
+    close(index2, log2)

@@ -141,6 +141,8 @@ def test_a_failed_queued_write_takes_back_the_queue_behind_it(small_tmpfs: Path)
     if tails:  # the failed job's position (a PAD may precede it): nothing after it remains
         assert log.tail <= tails[0]
     assert not log.queued
+    # nothing of the failed write stays past the tail (sealed, it would sit after the footer)
+    assert os.path.getsize(log.path(log.seg_id)) == log.tail
     assert index.get_inode(f).size == first_bad << 20
     for i in range(first_bad):
         assert ns.read(f, i << 20, 1 << 20) == chunks[i]
