@@ -253,7 +253,9 @@ class Daemon:
         if self.replay_report.segments == 0 and self.index.applied == (0, 0, 0):
             # a new filesystem: its root belongs to the mount point's owner, as a record
             st = os.stat(cfg.mountpoint)
-            self.ns.setattr(ROOT_INO, mode=0o755, uid=st.st_uid, gid=st.st_gid)
+            now = time.time_ns()
+            self.ns.setattr(ROOT_INO, mode=0o755, uid=st.st_uid, gid=st.st_gid, atime_ns=now,
+                            mtime_ns=now)
         n = self.ns.purge_orphans()
         if n:
             log.info("purged %d orphaned inodes (unlinked while open before a crash)", n)

@@ -308,6 +308,8 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, entry(node), cookie + 2):
                 return
             self.ns.lookups[node.ino] = self.ns.lookups.get(node.ino, 0) + 1
+            if node.is_dir:  # the kernel knows it now without a lookup: its ".." is us
+                self.ns.dir_parent[node.ino] = ino
 
     @fuse_errors
     async def releasedir(self, fh: int) -> None:

@@ -624,6 +624,10 @@ class Index:
             # other from readdir).
             self._repoint(op, old, dst)
             self._repoint(np_, new, src)
+            for moved in (src, dst):  # as ext4: both inodes changed (their parent, at least)
+                if (m := self.get_inode(moved)) is not None:
+                    m.ctime_ns = now
+                    self.put_inode(m)
             if op != np_ and src_dir != dst_dir:
                 delta = 1 if dst_dir else -1
                 self._touch_dir(op, now, delta)
@@ -637,9 +641,13 @@ class Index:
         self._unlink_entry(op, old)
         dst_was_dir = False
         if dst is not None:
-            self._unlink_entry(np_, new)
+            # the name stays and points to the renamed inode, keeping its readdir cookie: a
+            # fresh one would be past the bound of a listing in progress, which would then
+            # miss a name that never stopped existing (`os.replace(tmp, latest)`)
             dst_was_dir = self._drop_link(dst, now)
-        self._link(np_, new, src, rec.seq)
+            self._repoint(np_, new, src)
+        else:
+            self._link(np_, new, src, rec.seq)
         if src_ino is not None:
             src_ino.ctime_ns = now
             self.put_inode(src_ino)

@@ -28,6 +28,9 @@ from ckptfs.reads import Reader
 from ckptfs.segment import RecType, Record
 
 log = logging.getLogger(__name__)
+XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")  # system.* ACLs: fs.py
+XATTR_LIST_MAX = 65536  # the most listxattr(2) returns
+TIME_NS_MIN, TIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # what a record holds (1677 to 2262)
 
 NAME_MAX = 255
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # renameat2(2) flags
@@ -352,8 +355,10 @@ class Namespace:
                 mtime_ns = time.time_ns()
         if atime_ns is not None:
             mask |= fmt.SET_ATIME
+            atime_ns = min(max(atime_ns, TIME_NS_MIN), TIME_NS_MAX)
         if mtime_ns is not None:
             mask |= fmt.SET_MTIME
+            mtime_ns = min(max(mtime_ns, TIME_NS_MIN), TIME_NS_MAX)
         if mask:
             self.record(RecType.SETATTR, ino, 0, fmt.setattr_body(
                 mask, mode or 0, uid or 0, gid or 0, size or 0, atime_ns or 0, mtime_ns or 0))
@@ -366,7 +371,9 @@ class Namespace:
         if node.is_dir and flags & os.O_ACCMODE != os.O_RDONLY:
             raise FsError(errno.EISDIR)
         self.opens[ino] = self.opens.get(ino, 0) + 1
-        if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY and node.size:
+        if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
+            # as on Linux: also when the file is empty (its mtime and ctime move), and also
+            # O_RDONLY (the kernel checked write permission for O_TRUNC)
             node = self.setattr(ino, size=0)
         return node
 
@@ -564,6 +571,14 @@ class Namespace:
             raise FsError(errno.ERANGE)
         if len(value) > 65536:
             raise FsError(errno.E2BIG)
+        prefix = next((p for p in XATTR_NAMESPACES if name.startswith(p)), None)
+        if prefix is None:
+            raise FsError(errno.EOPNOTSUPP)  # as ext4: no such namespace
+        if len(name) == len(prefix):
+            raise FsError(errno.EINVAL)  # "user." names nothing
+        if self.index.get_xattr(ino, name) is None and sum(
+                len(n) + 1 for n in self.index.list_xattrs(ino)) + len(name) + 1 > XATTR_LIST_MAX:
+            raise FsError(errno.ENOSPC)  # listxattr(2) could not return the names any more
         self.record(RecType.XATTR, ino, 0, fmt.xattr_body(name, value))
 
     def removexattr(self, ino: int, name: bytes) -> None:

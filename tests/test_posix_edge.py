@@ -890,3 +890,116 @@ def test_hf_pattern_tmp_checkpoint_dir_rename(mount: Mount) -> None:
     check()
     digest = hashlib.sha256((out / "checkpoint-5" / "model.safetensors").read_bytes()).hexdigest()
     assert digest == hashlib.sha256(saved[5]["model.safetensors"]).hexdigest()
+
+
+def _getdents(fd: int, size: int = 1024) -> list[str]:
+    """One getdents64(2) call: the names of the next entries that fit in `size` bytes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(size)
+    n = libc.syscall(217, fd, buf, size)  # SYS_getdents64 on x86-64
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "getdents64")
+    raw, out, pos = buf.raw[:n], [], 0
+    while pos < n:
+        reclen = int.from_bytes(raw[pos + 16:pos + 18], "little")
+        out.append(raw[pos + 19:pos + reclen].split(b"\0", 1)[0].decode())
+        pos += reclen
+    return out
+
+
+def test_a_name_replaced_by_rename_stays_in_a_listing_in_progress(mount: Mount) -> None:
+    """`os.replace("latest.tmp", "latest")` while another process lists the directory: as on
+    ext4, `latest` is listed (it never stopped existing), once."""
+    d = mount.mnt / "ckpt"
+    d.mkdir()
+    for i in range(50):
+        (d / f"shard{i:04d}").touch()
+    (d / "latest").write_text("1")
+    for i in range(50, 100):
+        (d / f"shard{i:04d}").touch()
+    (d / "latest.tmp").write_text("2")
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        seen = _getdents(fd)
+        assert "latest" not in seen  # the listing has not reached it yet
+        os.replace(d / "latest.tmp", d / "latest")
+        while batch := _getdents(fd):
+            seen += batch
+    finally:
+        os.close(fd)
+    assert seen.count("latest") == 1, seen
+    assert "latest.tmp" not in seen
+    assert (d / "latest").read_text() == "2"
+
+
+def test_times_beyond_what_a_record_holds_are_clamped_not_eio(mount: Mount) -> None:
+    f = mount.mnt / "t"
+    f.touch()
+    os.utime(f, ns=(2 ** 34 * 10 ** 9, -(2 ** 34) * 10 ** 9))  # year ~2514 and ~1425
+    st = os.stat(f)
+    assert st.st_atime_ns > 9 * 10 ** 18  # 2262, the last moment a record holds
+    assert st.st_mtime_ns < -9 * 10 ** 18  # 1677
+    os.utime(f, ns=(10 ** 18, 10 ** 18))
+    assert os.stat(f).st_mtime_ns == 10 ** 18
+
+
+def test_o_trunc_moves_an_empty_files_times_and_o_rdonly_o_trunc_truncates(
+        mount: Mount) -> None:
+    stamp = mount.mnt / "stamp"
+    stamp.touch()
+    os.utime(stamp, ns=(10 ** 18, 10 ** 18))
+    os.close(os.open(stamp, os.O_WRONLY | os.O_TRUNC))  # `: > stamp`
+    assert os.stat(stamp).st_mtime_ns > 10 ** 18
+    f = mount.mnt / "ro"
+    f.write_bytes(b"x" * 100)
+    os.close(os.open(f, os.O_RDONLY | os.O_TRUNC))
+    assert os.stat(f).st_size == 0
+
+
+def test_dotdot_of_a_directory_known_from_a_listing_is_its_parent(mount: Mount) -> None:
+    (mount.mnt / "d" / "sub").mkdir(parents=True)
+    mount.remount()  # the daemon knows no parents; the kernel learns `sub` from a listing
+    os.listdir(mount.mnt / "d")
+    fd = os.open(mount.mnt / "d" / "sub", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        names = []
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(4096)
+        n = libc.syscall(217, fd, buf, 4096)
+        raw, pos = buf.raw[:n], 0
+        while pos < n:
+            ino = int.from_bytes(raw[pos:pos + 8], "little")
+            reclen = int.from_bytes(raw[pos + 16:pos + 18], "little")
+            names.append((raw[pos + 19:pos + reclen].split(b"\0", 1)[0], ino))
+            pos += reclen
+    finally:
+        os.close(fd)
+    assert dict(names)[b".."] == os.stat(mount.mnt / "d").st_ino
+
+
+def test_rename_exchange_changes_both_inodes_ctime(mount: Mount) -> None:
+    a, b = mount.mnt / "a", mount.mnt / "b"
+    a.write_text("a")
+    b.write_text("b")
+    before = {p.name: os.stat(p).st_ctime_ns for p in (a, b)}
+    time.sleep(0.05)
+    libc = ctypes.CDLL(None, use_errno=True)
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    assert libc.renameat2(AT_FDCWD, bytes(a), AT_FDCWD, bytes(b), RENAME_EXCHANGE) == 0
+    assert a.read_text() == "b" and b.read_text() == "a"
+    # the inode that was "a" is now "b"
+    assert os.stat(b).st_ctime_ns > before["a"]
+    assert os.stat(a).st_ctime_ns > before["b"]
+
+
+def test_xattr_names_outside_linux_namespaces_are_refused(mount: Mount) -> None:
+    f = mount.mnt / "x"
+    f.touch()
+    with pytest.raises(OSError) as e:
+        os.setxattr(f, "bogus.a", b"1")
+    check_errno(e.value, errno.EOPNOTSUPP)
+    with pytest.raises(OSError) as e:
+        os.setxattr(f, "user.", b"1")
+    check_errno(e.value, errno.EINVAL)
+    os.setxattr(f, "user.ok", b"1")
+    assert os.getxattr(f, "user.ok") == b"1"
