@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PUBLISHED_DIR = "published"
 MAX_BACKOFF = 10.0
+MANIFEST_RECHECK = 0.5  # s between looks at an owed manifest (writers quiet? interval over?)
 
 
 @dataclass
@@ -416,7 +417,13 @@ class Drain:
     async def _publisher(self) -> None:
         await self._ready.wait()
         while True:
-            await self._kick.wait()
+            if self.manifest_seq < self.published_seq:
+                # a manifest is owed: look again now and then, for nothing kicks us when the
+                # writers go quiet or the interval runs out
+                with trio.move_on_after(MANIFEST_RECHECK):
+                    await self._kick.wait()
+            else:
+                await self._kick.wait()
             self._kick = trio.Event()
             ready = self._ready_segments()
             # a manifest is O(files) to build and 3 namespace operations on SHARED: make one

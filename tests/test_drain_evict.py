@@ -5,6 +5,7 @@ offline replay that has to fetch evicted segments from SHARED."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from mounting import MakeMount
@@ -117,3 +118,26 @@ def test_watermark_eviction_keeps_local_bytes_under_cache_size(make_mount: MakeM
     assert_tree(expected, m.mnt, "reads with a 16M local cache for 64M of data")
     assert status(m)["shared_bytes_read"] > 0
     assert_fsck_clean(m.shared)
+
+
+def test_a_manifest_follows_published_data_without_anyone_waiting(
+        make_mount: MakeMount) -> None:
+    """Nobody runs `ckptfs wait`: once the writers are quiet, the published data gets a
+    manifest by itself (the publisher used to go back to sleep after its one look, with a
+    manifest owed, until the next seal or wait)."""
+    m = make_mount(extra_args=["--seal-idle", "0.5"])
+    d = m.mnt / "step_1"
+    d.mkdir()
+    (d / "shard").write_bytes(b"s" * 100_000)
+    written = status(m)["log_seq"]
+    deadline = time.monotonic() + 20  # < the 30 s after which a manifest is due anyway
+    while time.monotonic() < deadline:
+        st = status(m)
+        if st["published_seq"] >= written:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"no manifest covers the data 20 s later, nobody waiting: "
+                             f"published_seq {st['published_seq']}, log_seq {written}, "
+                             f"segments {st['segments']}")
+    assert any((m.shared / "ckptfs" / "manifests").rglob("*.manifest"))
