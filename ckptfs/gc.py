@@ -132,21 +132,28 @@ class Collector:
 
     async def collect(self, force: bool = False) -> int:
         self.stats.runs += 1
-        now = time.monotonic()
+        # Other nodes and `export` read the newest manifest, not the published view: an
+        # object stays until a manifest without it is on SHARED, and its grace starts then.
+        if not await self._view_published(force):
+            return 0
         dead = self.dead_segments()
+        if not dead:
+            return 0
+        pub_live = await self.drain.in_pub(lambda: {s: i.live for s, i in
+                                                    self.drain.pub.iter_segments()})
+        if not await self._view_published(force):  # the view moved on meanwhile
+            return 0
+        now = time.monotonic()
+        dead = [r for r in dead if pub_live.get(r[0], 0) == 0]
         for seg, _st, _size in dead:
             self.first_dead.setdefault(seg, now)
         ripe = [(seg, st, size) for seg, st, size in dead
                 if force or now - self.first_dead[seg] >= self.grace]
         if not ripe:
             return 0
-        # the published view must agree (its manifests are what other nodes read)
-        pub_live = await self.drain.in_pub(lambda: {s: i.live for s, i in
-                                                    self.drain.pub.iter_segments()})
-        ripe = [r for r in ripe if pub_live.get(r[0], 0) == 0]
-        if not ripe:
-            return 0
         refs = await trio.to_thread.run_sync(self._referenced_elsewhere)
+        if refs is None:
+            return 0
         ripe = [r for r in ripe if fmt.segment_name(r[0])[:16] not in refs]
         if not ripe:
             return 0
@@ -185,10 +192,30 @@ class Collector:
         await self.commit()
         return len(ripe)
 
-    def _referenced_elsewhere(self) -> set[str]:
-        """Segment ids (hex) of this node that other nodes' manifests reference."""
+    async def _view_published(self, force: bool) -> bool:
+        """Whether the newest manifest covers the whole published view (`force`, for
+        `ckptfs gc`: have one published first, waiting up to 30 s)."""
+        if self.drain.manifest_seq >= self.drain.published_seq:
+            return True
+        if not force:
+            return False
+        try:
+            await self.drain.wait_seq(self.drain.published_seq, 30.0)
+        except Exception as e:  # noqa: BLE001 - a timeout or a failing store: no GC now
+            log.warning("gc: no manifest covers the published view yet (%s)", e)
+            return False
+        return self.drain.manifest_seq >= self.drain.published_seq
+
+    def _referenced_elsewhere(self) -> set[str] | None:
+        """Segment ids (hex) of this node that other nodes' manifests reference; None if a
+        manifest could not be read (what it references is unknown: delete nothing)."""
         out: set[str] = set()
-        for node, m in fetch_manifests(self.store, {}).items():
+        errors: list[str] = []
+        found = fetch_manifests(self.store, {}, errors)
+        if errors:
+            log.warning("gc: skipped, other nodes' manifests unreadable: %s", errors[0])
+            return None
+        for node, m in found.items():
             if node == self.node:
                 continue
             for obj in m.objects:
