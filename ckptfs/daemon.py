@@ -27,7 +27,8 @@ from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.drain import PUBLISHED_DIR
 from ckptfs.index import VSEG_BIT, ROOT_INO, Index, IndexCommitError, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
-from ckptfs.shared import PUBLISH_BATCH, SharedError, SharedStore, check_node_id, open_store
+from ckptfs.shared import (PUBLISH_BATCH, SharedError, SharedStore, check_node_id,
+                           describe_oserror, open_store)
 from ckptfs.log import PIPELINE, SegmentLog
 from ckptfs.namespace import Namespace
 from ckptfs.reads import Reader
@@ -203,9 +204,21 @@ class Daemon:
         except SharedError as e:
             self.lock.release()
             raise CliError(str(e)) from None
+        try:  # a new NVME directory, or one that has not imported its node's namespace yet
+            with open(os.path.join(cfg.nvme, layout.IDENTITY_FILE), "rb") as f:
+                fresh = not json.loads(f.read()).get("adopted", True)
+        except FileNotFoundError:
+            fresh = True
+        except (OSError, ValueError, AttributeError):
+            fresh = False  # identity() reports it
         try:
             objs = self.store.list_objects(cfg.node_id or socket.gethostname())
-        except OSError:
+        except OSError as e:
+            if fresh:  # it must number after, and import, what the node published before
+                self.lock.release()
+                raise CliError(f"cannot list this node's objects on {cfg.shared} "
+                               f"({describe_oserror(e)}): a new NVME directory needs them; "
+                               f"mount again once SHARED is readable") from None
             objs = []
         ident = identity(cfg.nvme, cfg.node_id, max(objs, default=0) + 1, cfg.shared,
                          cfg.cold)
@@ -289,7 +302,17 @@ class Daemon:
                                    fresh_nvme=not ident.get("adopted", True),
                                    interval=cfg.refresh_interval)
         try:
-            found = fetch_manifests(self.store, {})
+            errors: list[str] = []
+            found = fetch_manifests(self.store, {}, errors)
+            for msg in errors:
+                log.error("ignoring manifest: %s", msg)
+            if not ident.get("adopted", True) and cfg.node_id not in found \
+                    and self.store.list_manifests(cfg.node_id):
+                # adopting without the node's own namespace would lose it: this directory's
+                # manifests would replace the unread ones
+                raise CliError(f"cannot read node {cfg.node_id}'s manifests on {cfg.shared} "
+                               f"({errors[0] if errors else 'none readable'}): a new NVME "
+                               f"directory imports them; mount again once SHARED is readable")
             self.refresher.apply_all(found, at_mount=True)
             if not ident.get("adopted", True):
                 self.seglog.sync_now()  # the imports are in the log, durably: now say so
@@ -298,6 +321,10 @@ class Daemon:
                 layout.publish_bytes(os.path.join(cfg.nvme, layout.IDENTITY_FILE),
                                      (json.dumps(ident) + "\n").encode())
         except OSError as e:
+            if not ident.get("adopted", True):
+                raise CliError(f"cannot read manifests on {cfg.shared} "
+                               f"({describe_oserror(e)}): a new NVME directory imports them; "
+                               f"mount again once SHARED is readable") from None
             log.warning("cannot read manifests from the shared store at mount: %s", e)
         # the index never says more than the disk holds: the records appended above (orphans
         # purged, imports, a new root's owner) are flushed before the commit that covers them
