@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import lmdb
+import xxhash
 
 from ckptfs import segment as fmt
 from ckptfs.segment import RecType, Record
@@ -522,7 +523,8 @@ class Index:
         ino.mtime_ns = body["mtime_ns"]
         ino.ctime_ns = rec.time_ns
         self.put_inode(ino)
-        origin = {"node": body["origin"], "mtime_ns": body["mtime_ns"], "size": body["size"]}
+        origin = {"node": body["origin"], "mtime_ns": body["mtime_ns"], "size": body["size"],
+                  "ext": self.extents_digest(body["extents"])}
         self.txn.put(k_ino(rec.ino), json.dumps(origin).encode(), db=self.origins)
 
     def chunk(self, digest: bytes) -> tuple[int, int, int] | None:
@@ -551,6 +553,12 @@ class Index:
             return None
         node, seg = bytes(raw).decode().rsplit("/", 1)
         return node, int(seg, 16)
+
+    @staticmethod
+    def extents_digest(extents: list) -> str:
+        """Of an imported file's extents (the manifest's lists), to see them change."""
+        raw = json.dumps([list(x) for x in extents], separators=(",", ":")).encode()
+        return xxhash.xxh3_64_hexdigest(raw)
 
     def origin(self, ino: int) -> dict | None:
         raw = self.txn.get(k_ino(ino), db=self.origins)

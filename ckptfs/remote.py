@@ -214,7 +214,10 @@ class Refresher:
             return 0
         origin = idx.origin(cur)
         if origin is not None and origin.get("node") == node:
-            if origin.get("mtime_ns") == e.mtime_ns and origin.get("size") == e.size:
+            # the same version, unless its bytes moved (compaction, defragmentation: same
+            # mtime and size, other objects; the old ones get deleted)
+            if origin.get("mtime_ns") == e.mtime_ns and origin.get("size") == e.size \
+                    and origin.get("ext") == idx.extents_digest(e.extents):
                 return 0
         else:
             mine = (local.mtime_ns, origin["node"] if origin else self.node)
