@@ -47,14 +47,21 @@ def publish_bytes(dest: str, data: bytes) -> None:
     tmp = os.path.join(d, f".tmp.{os.path.basename(dest)}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, dest)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, dest)
+    except BaseException:
+        try:  # a full or failing store: no temp file left behind
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     fsync_dir(d)
 
 

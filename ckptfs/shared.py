@@ -285,7 +285,11 @@ class SharedStore:
             _remove(tmp)
             raise
         self._op("rename")
-        os.rename(tmp, os.path.join(d, dname))  # fails (EEXIST/ENOTEMPTY) rather than replace
+        try:
+            os.rename(tmp, os.path.join(d, dname))  # fails (EEXIST/ENOTEMPTY), never replaces
+        except BaseException:
+            _remove(tmp)  # not left for the next mount to find: the retry copies again
+            raise
         self._op("fsync_dir")
         layout.fsync_dir(d)
         for seg in segs:
