@@ -22,6 +22,15 @@ def target(fd: int) -> str | None:
         return None
 
 
+def run_threads(fn, n: int) -> None:
+    """fn(0) ... fn(n - 1), each on its own thread, all at once; returns when all ended."""
+    threads = [threading.Thread(target=fn, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def opener(path: Path):
     return lambda: os.open(path, os.O_RDONLY)
 
@@ -85,11 +94,7 @@ def test_threads_reading_many_objects_through_few_descriptors_get_their_bytes(
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(reader, 8)
     assert not errors, errors[:3]
     assert not wrong, f"{len(wrong)} reads returned another object's bytes: {wrong[:5]}"
     assert len(store._read_fds) <= 3
@@ -148,11 +153,7 @@ def test_threads_reading_many_local_segments_through_few_descriptors_get_their_b
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, 8)
     assert not errors, errors[:3]
     assert not wrong, f"{len(wrong)} reads returned another segment's bytes: {wrong[:5]}"
     assert gone > 0 and reader.evicted
