@@ -14,6 +14,7 @@ from pathlib import Path
 from mounting import MakeMount, Mount, wait_for
 from test_shared_support import (
     REFRESH,
+    SEGMENT,
     assert_files,
     assert_fsck_clean,
     assert_tree,
@@ -22,6 +23,7 @@ from test_shared_support import (
     export_files,
     ls_json,
     manifests,
+    node_args,
     objects,
     start_node,
     status,
@@ -300,3 +302,37 @@ def test_file_against_directory_conflict_agrees_everywhere(make_mount: MakeMount
     }
     assert len({frozenset(v) for v in views.values()}) == 1, f"views disagree: {views}"
     assert {"other_a", "other_b"} <= views["export"]
+
+
+def test_a_new_nvme_does_not_mount_blind_when_shared_cannot_be_read(
+        make_mount: MakeMount) -> None:
+    """n0 lost its NVMe, and SHARED cannot be read at its first mount on a new one: the mount
+    is refused with one line (numbering segments from 1 replaced published objects; adopting
+    an empty namespace let its manifests replace the real ones). Once SHARED reads again, the
+    same directory mounts and everything is there."""
+    import pytest
+
+    a, expected = published_by_n0(make_mount)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(a.shared, "n0")}
+    objs = a.shared / "ckptfs" / "objects" / "n0"
+    objs.rename(objs.with_name("n0.away"))
+    objs.write_bytes(b"")  # listing it fails (ENOTDIR) as a failing NAS would
+    d = make_mount("d", node_args("n0"), segment_size=SEGMENT, start=False)
+    d.shared = a.shared
+    with pytest.raises(RuntimeError, match="cannot list this node's objects"):
+        d.start()
+    objs.unlink()
+    objs.with_name("n0.away").rename(objs)
+    mans = sorted((a.shared / "ckptfs" / "manifests" / "n0").glob("*.manifest"))
+    for p in mans:  # reading them fails (EISDIR)
+        p.rename(p.with_name(p.name + ".away"))
+        p.mkdir()
+    with pytest.raises(RuntimeError, match="manifests"):
+        d.start()
+    for p in mans:
+        p.rmdir()
+        p.with_name(p.name + ".away").rename(p)
+    d.start()
+    assert_files(expected, d.mnt, "n0 on its new NVMe once SHARED reads again")
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(a.shared, "n0")}
+    assert all(after.get(n) == h for n, h in before.items()), "a published object changed"
