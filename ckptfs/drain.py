@@ -36,7 +36,7 @@ import trio
 from ckptfs import manifest
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState
-from ckptfs.shared import PUBLISH_BATCH, RateLimiter, SharedStore, describe_oserror
+from ckptfs.shared import PUBLISH_BATCH, RateLimiter, SharedError, SharedStore, describe_oserror
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +350,15 @@ class Drain:
                     # the view
                     todo.remove((seg, size))
                     self.in_flight.pop(seg, None)
+                    if seg in maybe_there:
+                        # an attempt before a crash (or one that failed late) may have
+                        # published it: GC never looks for objects of DROPPED segments
+                        try:
+                            await trio.to_thread.run_sync(self.store.delete_object, self.node,
+                                                          seg, limiter=self._thread_limiter)
+                        except (OSError, SharedError) as e:
+                            log.warning("could not remove the object of dropped segment %s: "
+                                        "%s", fmt.segment_name(seg), e)
                     self.index.set_segment(seg, SegState.DROPPED)
                     self.stats.segments_dropped += 1
                     log.info("dropped segment %s from the drain (%d bytes, all data "
