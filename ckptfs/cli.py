@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ckptfs import __version__, layout
 from ckptfs.errors import CliError
-from ckptfs.shared import PUBLISH_BATCH
+from ckptfs.shared import PUBLISH_BATCH, SharedError, check_node_id
 
 log = logging.getLogger("ckptfs")
 
@@ -37,8 +37,20 @@ def positive_float(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
     if v < 0:
         raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return v
+
+
+def node_count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
     return v
 
 
@@ -148,6 +160,13 @@ def cmd_mount(a: argparse.Namespace) -> int:
         raise CliError("--publish-batch must be at least 1")
     if a.segment_size < (1 << 20):
         raise CliError("--segment-size must be at least 1M")
+    if a.node_id is not None:  # before anything is written into NVME under that name
+        try:
+            check_node_id(a.node_id)
+        except SharedError as e:
+            raise CliError(str(e)) from None
+    if not 0 <= a.metrics_port <= 65535:
+        raise CliError(f"--metrics-port must be a TCP port (0-65535), not {a.metrics_port}")
     cfg = MountConfig(nvme=nvme, shared=shared, mountpoint=mnt, segment_size=a.segment_size,
                       seal_idle=a.seal_idle, allow_other=a.allow_other, fsname=a.fsname,
                       upload_streams=a.upload_streams, upload_limit=a.upload_limit,
@@ -696,6 +715,8 @@ def cmd_probe(a: argparse.Namespace) -> int:
         r = probe.probe(a.dir, seconds=a.seconds, max_bytes=a.max_bytes)
     except FileNotFoundError:
         raise CliError(f"{a.dir}: no such directory") from None
+    except NotADirectoryError:
+        raise CliError(f"{a.dir}: not a directory") from None
     if a.json:
         print(json.dumps(probe.as_dict(r), indent=2))
         return 0
@@ -821,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("path", metavar="PATH", help="a file or directory inside a ckptfs mount")
     w.add_argument("--timeout", type=positive_float, help="give up after this many seconds")
     w.add_argument("--quiet", "-q", action="store_true")
-    w.add_argument("--all-nodes", nargs="?", type=int, const=-1, default=0, metavar="N",
+    w.add_argument("--all-nodes", nargs="?", type=node_count, const=-1, default=0, metavar="N",
                    help="also wait until N nodes (default: the mount's --nodes) published "
                         "their parts of the checkpoint and its marker")
     w.set_defaults(func=cmd_wait)

@@ -176,7 +176,8 @@ class SharedStore:
     def verify(self) -> None:
         """For readers (ls, export, fsck): SHARED holds a ckptfs store."""
         if not os.path.isdir(self.base):
-            raise SharedError(f"{self.base}: no such directory")
+            why = "not a directory" if os.path.exists(self.base) else "no such directory"
+            raise SharedError(f"{self.base}: {why}")
         if not self.exists():
             raise SharedError(f"{self.base} holds no ckptfs shared store (no {self.root})")
 
