@@ -170,18 +170,32 @@ def export(store: SharedStore, prefix: str, dest: str,
         if e.type == "l":
             os.symlink(e.target, target)
             continue
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        # written beside its name and renamed onto it once whole: a failed export (a damaged
+        # record, a full disk) never leaves a partial file, nor truncates a good earlier copy
+        tmp = os.path.join(parent, f".{os.path.basename(target)}.ckptfs-export")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            for off, data in read_file(view.resolver or store, e):
-                os.pwrite(fd, data, off)
-                done += len(data)
-                if progress is not None:
-                    progress(done, total)
-            os.ftruncate(fd, e.size)
-            os.fchmod(fd, e.mode & 0o777)  # never setuid/setgid bits from another machine
-        finally:
-            os.close(fd)
-        os.utime(target, ns=(e.mtime_ns, e.mtime_ns))
+            try:
+                for off, data in read_file(view.resolver or store, e):
+                    os.pwrite(fd, data, off)
+                    done += len(data)
+                    if progress is not None:
+                        progress(done, total)
+                os.ftruncate(fd, e.size)
+                os.fchmod(fd, e.mode & 0o777)  # never setuid/setgid bits from another machine
+            finally:
+                os.close(fd)
+            os.utime(tmp, ns=(e.mtime_ns, e.mtime_ns))
+            os.rename(tmp, target)
+        except BaseException as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(exc, OSError) and not isinstance(exc, ExportError) \
+                    and exc.filename is None:
+                raise ExportError(f"{rel}: {os.strerror(exc.errno or 0)}") from None
+            raise
         files += 1
     return files, done
 

@@ -141,3 +141,29 @@ def test_a_manifest_follows_published_data_without_anyone_waiting(
                              f"published_seq {st['published_seq']}, log_seq {written}, "
                              f"segments {st['segments']}")
     assert any((m.shared / "ckptfs" / "manifests").rglob("*.manifest"))
+
+
+def test_a_failed_export_leaves_an_earlier_copy_whole_and_no_partial_file(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """Exporting again into the same DEST after the object was damaged: the export fails
+    with one line and the good copy from before is untouched (it was truncated in place),
+    with no temp file beside it."""
+    m = start_node(make_mount, "a", "n0")
+    data = blob("x", 3 << 20)
+    write_tree(m.mnt, {"step_1/shard": data})
+    wait_published(m.mnt)
+    m.unmount()
+    dest = tmp_path / "out"
+    assert cli("export", m.shared, "step_1", dest).returncode == 0
+    assert (dest / "shard").read_bytes() == data
+    obj = max((m.shared / "ckptfs" / "objects" / "n0").rglob("*.seg"),
+              key=lambda p: p.stat().st_size)
+    with open(obj, "r+b") as f:  # a byte in the middle of the shard's data
+        f.seek(obj.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    res = cli("export", m.shared, "step_1", dest, check=False)
+    assert "checksum" in assert_one_line_error(res, "export of a damaged object")
+    assert (dest / "shard").read_bytes() == data
+    assert sorted(p.name for p in dest.iterdir()) == ["shard"]
