@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -139,6 +140,42 @@ def check_mountpoint(mnt: str) -> None:
         raise CliError(f"{mnt} is already a mount point")
 
 
+def _recorded_node(nvme: str) -> str | None:
+    try:
+        with open(os.path.join(nvme, layout.IDENTITY_FILE), "rb") as f:
+            return str(json.loads(f.read())["node"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _daemon_publishing_as(node: str, shared: str, nvme: str) -> dict | None:
+    """The status of another daemon on this machine that publishes to `shared` as `node`:
+    two NVME directories under one node id would number and name objects alike."""
+    from ckptfs import control
+
+    own = layout.control_socket_path(nvme)  # this NVME's own daemon: its lock says the rest
+    base = os.path.dirname(own)
+    try:
+        socks = [os.path.join(base, n) for n in os.listdir(base)
+                 if n.endswith(".sock") and os.path.join(base, n) != own]
+    except OSError:
+        return None
+    mine = os.path.realpath(nvme)
+    for sock in socks:
+        try:
+            st = control.request(sock, {"op": "status"}, timeout=2)["status"]
+        except (control.ControlError, OSError, ValueError, KeyError):
+            continue  # a dead daemon's socket, or a hung one: not ours to judge
+        other_shared = st.get("shared") or ""
+        if not other_shared.startswith("s3://"):
+            other_shared = os.path.realpath(other_shared)
+        want = shared if shared.startswith("s3://") else os.path.realpath(shared)
+        if st.get("node_id") == node and other_shared == want \
+                and os.path.realpath(st.get("nvme") or "") != mine:
+            return st
+    return None
+
+
 def cmd_mount(a: argparse.Namespace) -> int:
     from ckptfs.cache import CacheConfig
     from ckptfs.daemon import MountConfig, run_foreground
@@ -167,6 +204,12 @@ def cmd_mount(a: argparse.Namespace) -> int:
             raise CliError(str(e)) from None
     if not 0 <= a.metrics_port <= 65535:
         raise CliError(f"--metrics-port must be a TCP port (0-65535), not {a.metrics_port}")
+    node = a.node_id or _recorded_node(nvme) or socket.gethostname()
+    other = _daemon_publishing_as(node, shared, nvme)
+    if other is not None:
+        raise CliError(f"node id {node!r} is in use on {shared} by the daemon of "
+                       f"{other.get('nvme')} (pid {other.get('pid')}, mounted at "
+                       f"{other.get('mountpoint')}): give this mount its own --node-id")
     cfg = MountConfig(nvme=nvme, shared=shared, mountpoint=mnt, segment_size=a.segment_size,
                       seal_idle=a.seal_idle, allow_other=a.allow_other, fsname=a.fsname,
                       upload_streams=a.upload_streams, upload_limit=a.upload_limit,

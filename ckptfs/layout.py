@@ -29,6 +29,40 @@ def control_socket_path(nvme: str) -> str:
     return os.path.join(base, f"{xxhash.xxh3_64_hexdigest(os.fsencode(os.path.realpath(nvme)))}.sock")
 
 
+def rename_noreplace(src: str, dst: str) -> list[str]:
+    """Rename `src` to `dst`, never replacing an existing `dst` (FileExistsError). Returns
+    the namespace operations it issued: `renameat2(RENAME_NOREPLACE)` where the filesystem
+    has it; else (NFS) a hard link, which fails on an existing name, and an unlink; else
+    a look before a plain rename."""
+    import ctypes
+    import errno
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is not None:
+        at_fdcwd, noreplace = -100, 1
+        if renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), noreplace) == 0:
+            return ["rename"]
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), src)
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst) from None
+        os.rename(src, dst)
+        return ["rename"]
+    os.unlink(src)
+    return ["link", "unlink"]
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -37,7 +71,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def publish_bytes(dest: str, data: bytes) -> None:
+def publish_bytes(dest: str, data: bytes, replace: bool = True) -> list[str]:
     """Atomically create `dest`: temp file, fsync, rename, fsync the directory.
 
     Without the file fsync a crash can leave a renamed but empty file; without the directory
@@ -55,7 +89,11 @@ def publish_bytes(dest: str, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, dest)
+        if replace:
+            os.rename(tmp, dest)
+            ops = ["rename"]
+        else:
+            ops = rename_noreplace(tmp, dest)
     except BaseException:
         try:  # a full or failing store: no temp file left behind
             os.unlink(tmp)
@@ -63,6 +101,7 @@ def publish_bytes(dest: str, data: bytes) -> None:
             pass
         raise
     fsync_dir(d)
+    return ops
 
 
 def init_shared(shared: str) -> str:

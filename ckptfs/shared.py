@@ -260,8 +260,18 @@ class SharedStore:
         except BaseException:
             _remove(tmp)
             raise
-        self._op("rename")
-        os.rename(tmp, dest)
+        try:
+            ops = layout.rename_noreplace(tmp, dest)  # a published object is never replaced
+        except FileExistsError:
+            _remove(tmp)
+            raise FileExistsError(errno.EEXIST, f"object {node}/{fmt.segment_name(seg)} "
+                                  f"already exists on SHARED: is another NVME directory "
+                                  f"mounted as node {node}?") from None
+        except BaseException:
+            _remove(tmp)
+            raise
+        for op in ops:
+            self._op(op)
         self._op("fsync_dir")
         layout.fsync_dir(d)  # ...and the name must be durable before we call it published
         return size
@@ -344,13 +354,18 @@ class SharedStore:
         dest = os.path.join(d, f"{seq:016x}.manifest")
         self._op("create")
         self._op("fsync")
-        self._op("rename")
-        self._op("fsync_dir")
         try:
-            layout.publish_bytes(dest, data)
+            ops = layout.publish_bytes(dest, data, replace=False)
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, f"manifest {node}/{seq:016x} already exists "
+                                  f"on SHARED: is another NVME directory mounted as node "
+                                  f"{node}?") from None
         except OSError:
             self._known_dirs.clear()
             raise
+        for op in ops:
+            self._op(op)
+        self._op("fsync_dir")
         return dest
 
     def delete_object(self, node: str, seg: int) -> None:

@@ -336,3 +336,24 @@ def test_a_new_nvme_does_not_mount_blind_when_shared_cannot_be_read(
     assert_files(expected, d.mnt, "n0 on its new NVMe once SHARED reads again")
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(a.shared, "n0")}
     assert all(after.get(n) == h for n, h in before.items()), "a published object changed"
+
+
+def test_a_second_nvme_cannot_publish_as_a_node_a_live_daemon_publishes_as(
+        make_mount: MakeMount) -> None:
+    """Two NVME directories on one machine under one node id (the hostname, by default)
+    would number and name their objects alike; the second mount is refused with one line
+    naming the first, and nothing of the first's is touched."""
+    import pytest
+
+    a = start_node(make_mount, "a", "n0")
+    write_tree(a.mnt, {"step_1/x": blob("x", 300_000)})
+    wait_published(a.mnt)
+    b = make_mount("b", node_args("n0"), segment_size=SEGMENT, start=False)
+    b.shared = a.shared
+    with pytest.raises(RuntimeError, match="node id 'n0' is in use"):
+        b.start()
+    assert (a.mnt / "step_1" / "x").read_bytes() == blob("x", 300_000)
+    b2 = make_mount("b2", node_args("n1"), segment_size=SEGMENT, start=False)
+    b2.shared = a.shared
+    b2.start()  # its own id: fine
+    assert_files({"step_1/x": blob("x", 300_000)}, b2.mnt, "n1 next to n0")
