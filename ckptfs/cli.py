@@ -45,7 +45,7 @@ def positive_float(text: str) -> float:
     return v
 
 
-def node_count(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -885,7 +885,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("path", metavar="PATH", help="a file or directory inside a ckptfs mount")
     w.add_argument("--timeout", type=positive_float, help="give up after this many seconds")
     w.add_argument("--quiet", "-q", action="store_true")
-    w.add_argument("--all-nodes", nargs="?", type=node_count, const=-1, default=0, metavar="N",
+    w.add_argument("--all-nodes", nargs="?", type=positive_int, const=-1, default=0, metavar="N",
                    help="also wait until N nodes (default: the mount's --nodes) published "
                         "their parts of the checkpoint and its marker")
     w.set_defaults(func=cmd_wait)

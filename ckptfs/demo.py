@@ -537,16 +537,6 @@ def _force_unmount(con: Any, mnt: str, pid: int | None, why: str) -> None:
 
 # --- CLI glue (`ckptfs demo`) -------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return v
-
-
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -558,9 +548,11 @@ def _positive_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=_positive_int, default=8,
+    from ckptfs.cli import positive_int
+
+    parser.add_argument("--ranks", type=positive_int, default=8,
                         help="writer processes, one per simulated rank (default 8)")
-    parser.add_argument("--files-per-rank", type=_positive_int, default=64,
+    parser.add_argument("--files-per-rank", type=positive_int, default=64,
                         help="shard files each rank writes (default 64)")
     parser.add_argument("--size-mb", type=_positive_float, default=1.0,
                         help="size of each shard file in MiB (default 1)")
