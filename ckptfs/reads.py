@@ -125,10 +125,24 @@ class Reader:
 
         return self._fds.borrow(seg, opener)
 
-    def _pread(self, seg: int, length: int, offset: int) -> bytes:
+    def _local_range(self, seg: int, length: int, offset: int,
+                     scratch: bool = False) -> bytes | memoryview | None:
+        """`length` bytes at `offset` of seg's local file, into the trio thread's scratch
+        buffer if `scratch` (no allocation and no page faults per request; valid until the
+        next such read, enough for a read answered inline: pyfuse3 replies before another
+        request runs); None if the segment is not on local disk."""
         with self._local(seg) as fd:
-            if fd is not None:
-                return os.pread(fd, length, offset)
+            if fd is None:
+                return None
+            if scratch:
+                view = self._scratch_view(length)
+                return view[:os.preadv(fd, [view], offset)]
+            return os.pread(fd, length, offset)
+
+    def _pread(self, seg: int, length: int, offset: int) -> bytes:
+        data = self._local_range(seg, length, offset)
+        if data is not None:
+            return data
         if self.remote is None:
             raise FsError(errno.EIO, f"segment {fmt.segment_name(seg)} is not on local disk")
         node, sid = self.objrefs[seg] if seg & VSEG_BIT else (self.node, seg)
@@ -153,14 +167,9 @@ class Reader:
         return data
 
     def _pread_scratch(self, seg: int, length: int, offset: int) -> bytes | memoryview:
-        """Like _pread, but a local read lands in the trio thread's scratch buffer: no
-        allocation and no page faults per request. Valid until the next such read, which is
-        enough for a read answered inline (pyfuse3 replies before another request runs)."""
-        with self._local(seg) as fd:
-            if fd is not None:
-                view = self._scratch_view(length)
-                return view[:os.preadv(fd, [view], offset)]
-        return self._pread(seg, length, offset)
+        """Like _pread, but a local read lands in the scratch buffer (_local_range)."""
+        data = self._local_range(seg, length, offset, scratch=True)
+        return data if data is not None else self._pread(seg, length, offset)
 
     def _scratch_view(self, n: int) -> memoryview:
         if len(self._scratch) < n:  # replaced, never resized: a view of the old one may live on
@@ -220,21 +229,15 @@ class Reader:
                     self._verified.move_to_end(key)
             pread = self._pread_scratch if scratch else self._pread
             if known:  # verified before: read just the range, from this local file only
-                with self._local(e.seg) as fd:
-                    if fd is not None:
-                        if scratch:
-                            view = self._scratch_view(n)
-                            data = view[:os.preadv(fd, [view], e.rec_pos + start)]
-                        else:
-                            data = os.pread(fd, n, e.rec_pos + start)
-                        if len(data) == n:
-                            return data
-                    elif not self.is_local(e):
-                        # evicted since we looked: from the store then, verified there (a
-                        # verification of the local copy vouches for nothing else)
-                        rec = self._remote_record(e, cached_only)
-                        assert rec is not None
-                        return rec[start:start + n]
+                data = self._local_range(e.seg, n, e.rec_pos + start, scratch)
+                if data is not None and len(data) == n:
+                    return data
+                if data is None and not self.is_local(e):
+                    # evicted since we looked: from the store then, verified there (a
+                    # verification of the local copy vouches for nothing else)
+                    rec = self._remote_record(e, cached_only)
+                    assert rec is not None
+                    return rec[start:start + n]
         else:
             rec = self._remote_record(e, cached_only)
             assert rec is not None  # report=True raises instead
