@@ -5,8 +5,17 @@ A checkpoint is a top-level directory whose name matches a `--retain` glob (defa
 `checkpoint-*`, `global_step*`). It is *complete* once it holds a commit marker (a file whose
 name matches a `--marker` glob: DCP's `.metadata`, HF's `trainer_state.json`), or once a
 top-level marker file (DeepSpeed's `latest`) names it. Order is the order in which the
-directories got their names (the log sequence of their CREATE or RENAME), so `tmp-checkpoint-5`
-renamed to `checkpoint-5` counts from the rename.
+checkpoints completed: the newest change time of the directory's commit marker, or, for a
+marker imported from another node, the modification time it has on the node that wrote it
+(the manifest's). A checkpoint without a marker of its own (incomplete, or completed by a
+top-level marker) counts from its directory's change time. Ties go to the order in which the
+directories got their names.
+
+Why not simply that order: a checkpoint deleted here that another node's manifest still
+lists (that node keeps more) is imported again under a new name entry, the newest here; it
+would then count as the newest checkpoint, and retention would delete the real newest ones,
+whose files may exist nowhere else. A checkpoint copied in with `cp -a` (old mtimes) counts as
+new: change times cannot be set.
 
 Markers need no special drain ordering: the published view is always a prefix of the log, so
 a marker written after its shards can only be published together with or after them.
@@ -38,6 +47,7 @@ DEFAULT_RETAIN = ("step_*", "checkpoint-*", "global_step*")
 DEFAULT_MARKERS = (".metadata", "trainer_state.json", "latest")
 TOP_MARKERS = ("latest", "latest_checkpointed_iteration.txt")
 REWALK = 30.0
+NO_CUTOFF = (-1, -1)  # below every checkpoint's order
 
 
 @dataclass
@@ -54,7 +64,7 @@ class RetentionConfig:
 class Checkpoint:
     name: str
     ino: int
-    order: int
+    order: tuple[int, int]  # (completion or change time ns, directory cookie): see above
     complete: bool = False
     segs: set[int] = field(default_factory=set)
 
@@ -83,7 +93,7 @@ class Retention:
             if node is None:
                 continue
             if node.is_dir and self._matches(sname, self.cfg.retain):
-                out.append(Checkpoint(sname, child, cookie))
+                out.append(Checkpoint(sname, child, (node.ctime_ns, cookie)))
             elif stat.S_ISREG(node.mode) and sname in TOP_MARKERS and node.size < 4096:
                 try:
                     text = self.ns.read(child, 0, 4096).decode(errors="replace").strip()
@@ -91,22 +101,33 @@ class Retention:
                 except (FsError, OSError):
                     pass
         for c in out:
-            c.complete = c.name in named_by_top or self._has_marker(c.ino)
+            done = self._marker_time(c.ino)
+            c.complete = done is not None or c.name in named_by_top
+            if done is not None:
+                c.order = (done, c.order[1])
         out.sort(key=lambda c: c.order)
         return out
 
-    def _has_marker(self, ino: int) -> bool:
+    def _marker_time(self, ino: int) -> int | None:
+        """When the checkpoint in directory `ino` was completed: the newest time of its commit
+        markers (see the module's docstring), or None if it has none."""
+        idx = self.ns.index
         # literal names (the defaults) are one lookup each; only real globs scan the directory
         literal = [g for g in self.cfg.markers if not any(ch in g for ch in "*?[")]
-        if any(self.ns.index.lookup(ino, os.fsencode(g)) is not None for g in literal):
-            return True
+        found = [child for g in literal
+                 if (child := idx.lookup(ino, os.fsencode(g))) is not None]
         globs = tuple(g for g in self.cfg.markers if g not in literal)
-        if not globs:
-            return False
-        for _c, name, _child in self.ns.index.readdir(ino, 0):
-            if self._matches(os.fsdecode(name), globs):
-                return True
-        return False
+        if globs:
+            found += [child for _c, name, child in idx.readdir(ino, 0)
+                      if self._matches(os.fsdecode(name), globs)]
+        times = []
+        for child in found:
+            node = idx.get_inode(child)
+            if node is None:
+                continue
+            origin = idx.origin(child)
+            times.append(origin["mtime_ns"] if origin is not None else node.ctime_ns)
+        return max(times, default=None)
 
     def _segments_of(self, ino: int) -> set[int]:
         idx = self.ns.index
@@ -141,9 +162,9 @@ class Retention:
                 hot_cutoff = complete[-keep].order
                 if self.cfg.cold and self.cfg.keep_cold:
                     total = keep + self.cfg.keep_cold
-                    cutoff = complete[-total].order if len(complete) > total else -1
+                    cutoff = complete[-total].order if len(complete) > total else NO_CUTOFF
                 elif self.cfg.cold:
-                    cutoff = -1  # keep every older checkpoint, on the cold tier
+                    cutoff = NO_CUTOFF  # keep every older checkpoint, on the cold tier
                 else:
                     cutoff = hot_cutoff
                 for c in cps:
@@ -157,7 +178,8 @@ class Retention:
         evictable: set[int] = set()
         # walking a checkpoint's files costs O(files): only when the set of checkpoints (or
         # their completeness) changed, or every REWALK seconds
-        shape = tuple((c.name, c.order, c.complete) for c in cps)
+        # (not the times: an incomplete checkpoint's change with every file written into it)
+        shape = tuple((c.name, c.ino, c.complete) for c in cps)
         now = time.monotonic()
         if shape == self._shape and now - self._walked < REWALK:
             return {"deleted": deleted, "evictable": evictable, "to_cold": to_cold}

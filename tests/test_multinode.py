@@ -357,3 +357,38 @@ def test_a_second_nvme_cannot_publish_as_a_node_a_live_daemon_publishes_as(
     b2.shared = a.shared
     b2.start()  # its own id: fine
     assert_files({"step_1/x": blob("x", 300_000)}, b2.mnt, "n1 next to n0")
+
+
+def test_retention_never_takes_a_checkpoint_brought_back_by_another_node_for_the_newest(
+        make_mount: MakeMount) -> None:
+    """Node a keeps 2 checkpoints, node b keeps all of them. b writes each checkpoint's
+    commit marker (DCP's rank 0 on b). Once a deletes step_1 and step_2, b's manifest
+    still lists them and a imports them again; they must count as the old checkpoints they
+    are (their marker's time on b), not as the newest (the order of their new names here),
+    or a's retention deletes step_3 and step_4, whose files only a has."""
+    a = start_node(make_mount, "a", "n0", extra=["--keep-shared", "2"])
+    b = start_node(make_mount, "b", "n1", shared=a.shared)
+    mine = {}
+    for step in range(1, 5):
+        rel = f"step_{step}/__0_0.distcp"
+        mine[rel] = blob(rel, 200_000)
+        write_tree(a.mnt, {rel: mine[rel]})
+        wait_published(a.mnt)
+        status(b, refresh=True)
+        write_tree(b.mnt, {f"step_{step}/.metadata": f"meta {step}".encode()})
+        wait_published(b.mnt)
+        status(a, refresh=True)
+        time.sleep(0.05)  # distinct completion times, as checkpoints minutes apart have
+    wait_for(lambda: "step_1" not in os.listdir(a.mnt) and "step_2" not in os.listdir(a.mnt),
+             30, "a's retention to delete step_1 and step_2")
+    # b still publishes them: a imports them again, and runs retention again, many times
+    deadline = time.monotonic() + 8 * REFRESH + 6
+    while time.monotonic() < deadline:
+        status(a, refresh=True)
+        assert {"step_3", "step_4"} <= set(os.listdir(a.mnt)), os.listdir(a.mnt)
+        time.sleep(0.5)
+    newest = {k: v for k, v in mine.items() if k.startswith(("step_3", "step_4"))}
+    assert_files(newest, a.mnt, "a's newest checkpoints")
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    assert_files(newest, b.mnt, "a's newest checkpoints, seen from b")
