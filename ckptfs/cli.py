@@ -544,6 +544,8 @@ def cmd_gc(a: argparse.Namespace) -> int:
     r = _control(a.path, {"op": "gc", "compact": a.compact})
     print(f"retention deleted {len(r['deleted_checkpoints'])} checkpoints; "
           f"{r['segments_freed']} segments freed; {r['compacted_bytes']:,} bytes compacted")
+    if r.get("skipped"):
+        raise CliError(f"garbage collection did not run: {r['skipped']}")
     return 0
 
 

@@ -551,7 +551,7 @@ class Daemon:
             moved = await self.gc.compact(self.ns) if req.get("compact") else 0
             n = await self.gc.collect(force=True)
             return {"deleted_checkpoints": res["deleted"], "segments_freed": n,
-                    "compacted_bytes": moved}
+                    "compacted_bytes": moved, "skipped": self.gc.skipped}
         if op == "refresh":
             n = await self.refresher.refresh()
             return {"changes": n}

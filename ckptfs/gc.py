@@ -102,6 +102,9 @@ class Collector:
         self.cold: Any = None  # the cold tier's store, if any
         self.stats = GcStats()
         self.snapshot_seg = self._snapshot_seg()
+        # why the last pass could not look at every dead segment ("" = it could); `ckptfs gc`
+        # reports it as an error instead of "0 segments freed"
+        self.skipped = ""
 
     def _snapshot_seg(self) -> int:
         path = os.path.join(self.nvme, SNAPSHOT_DIR)
@@ -132,6 +135,13 @@ class Collector:
 
     async def collect(self, force: bool = False) -> int:
         self.stats.runs += 1
+        self.skipped = ""
+        if force:  # `ckptfs gc`: a SHARED that is gone is an error, not "nothing to free"
+            try:
+                await trio.to_thread.run_sync(self.store.check)
+            except OSError as e:
+                self.skipped = f"the shared store cannot be used: {e}"
+                return 0
         # Other nodes and `export` read the newest manifest, not the published view: an
         # object stays until a manifest without it is on SHARED, and its grace starts then.
         if not await self._view_published(force):
@@ -151,7 +161,12 @@ class Collector:
                 if force or now - self.first_dead[seg] >= self.grace]
         if not ripe:
             return 0
-        refs = await trio.to_thread.run_sync(self._referenced_elsewhere)
+        try:
+            refs = await trio.to_thread.run_sync(self._referenced_elsewhere)
+        except OSError as e:
+            self.skipped = f"cannot list the nodes' manifests on SHARED: {e}"
+            log.warning("gc: skipped, %s", self.skipped)
+            return 0
         if refs is None:
             return 0
         ripe = [r for r in ripe if fmt.segment_name(r[0])[:16] not in refs]
@@ -202,9 +217,13 @@ class Collector:
         try:
             await self.drain.wait_seq(self.drain.published_seq, 30.0)
         except Exception as e:  # noqa: BLE001 - a timeout or a failing store: no GC now
-            log.warning("gc: no manifest covers the published view yet (%s)", e)
+            self.skipped = f"no manifest on SHARED covers what is published yet ({e})"
+            log.warning("gc: %s", self.skipped)
             return False
-        return self.drain.manifest_seq >= self.drain.published_seq
+        if self.drain.manifest_seq < self.drain.published_seq:
+            self.skipped = "no manifest on SHARED covers what is published yet"
+            return False
+        return True
 
     def _referenced_elsewhere(self) -> set[str] | None:
         """Segment ids (hex) of this node that other nodes' manifests reference; None if a
@@ -213,7 +232,8 @@ class Collector:
         errors: list[str] = []
         found = fetch_manifests(self.store, {}, errors)
         if errors:
-            log.warning("gc: skipped, other nodes' manifests unreadable: %s", errors[0])
+            self.skipped = f"another node's manifest is unreadable: {errors[0]}"
+            log.warning("gc: skipped, %s", self.skipped)
             return None
         for node, m in found.items():
             if node == self.node:

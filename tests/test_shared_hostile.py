@@ -33,6 +33,7 @@ from test_shared_support import (
     start_node,
     status,
     store_root,
+    wait_published,
     write_tree,
 )
 
@@ -371,3 +372,23 @@ def test_truncated_object_is_reported_and_reads_eio(make_mount: MakeMount,
         (b.mnt / "good/a.bin").read_bytes()
     check_errno(exc.value, errno.EIO)
     assert b.alive and size > off
+
+
+def test_gc_says_in_one_line_that_it_did_not_run_while_shared_is_gone(
+        make_mount: MakeMount) -> None:
+    """`ckptfs gc` while the shared filesystem is not mounted (SHARED looks empty): not
+    "0 segments freed" and exit 0, but one error line; once SHARED is back it runs."""
+    a = start_node(make_mount, "a", "n0")
+    write_tree(a.mnt, {"step_1/x": blob("x", 300_000)})
+    wait_published(a.mnt)
+    store = a.shared / "ckptfs"
+    store.rename(a.shared / "away")
+    try:
+        res = cli("gc", a.mnt, check=False)
+        line = assert_one_line_error(res, "gc without SHARED")
+        assert "did not run" in line and "FORMAT" in line, line
+    finally:
+        (a.shared / "away").rename(store)
+    res = cli("gc", a.mnt)
+    assert "segments freed" in res.stdout
+    assert (a.mnt / "step_1" / "x").read_bytes() == blob("x", 300_000)
