@@ -9,6 +9,7 @@ and verified record by record. Paths from manifests are validated (manifest.pars
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -135,6 +136,20 @@ def _safe_join(dest: str, rel: str) -> str:
     return out
 
 
+def _ensure_dir(dest: str, path: str) -> None:
+    """mkdir -p of `path` inside `dest`, where the published tree wins: a file or a symlink
+    standing where it has a directory (an earlier export, before the path changed kind) is
+    replaced. A symlink is never followed, so nothing is written outside DEST through one."""
+    rel = os.path.relpath(path, dest)
+    cur = dest
+    for comp in [] if rel == "." else rel.split(os.sep):
+        cur = os.path.join(cur, comp)
+        if os.path.islink(cur) or (os.path.lexists(cur) and not os.path.isdir(cur)):
+            os.unlink(cur)
+        if not os.path.isdir(cur):
+            os.mkdir(cur)
+
+
 def export(store: SharedStore, prefix: str, dest: str,
            progress: Callable[[int, int], None] | None = None,
            warn: Callable[[str], None] | None = None) -> tuple[int, int]:
@@ -157,16 +172,18 @@ def export(store: SharedStore, prefix: str, dest: str,
             rel = os.path.basename(e.path)  # the prefix names a single file
         target = _safe_join(dest, rel)
         parent = os.path.dirname(target)
-        # never follow a symlink we (or anyone) placed inside DEST out of it
+        _ensure_dir(dest, target if e.type == "d" else parent)
+        # never follow a symlink placed inside DEST out of it (_ensure_dir replaced ours)
         if os.path.realpath(parent) != parent:
             raise ExportError(f"refusing to write through a symlink: {rel!r}")
         if e.type == "d":
-            os.makedirs(target, exist_ok=True)
             os.chmod(target, (e.mode & 0o777) | stat.S_IRWXU)
             continue
-        os.makedirs(parent, exist_ok=True)
         if os.path.lexists(target) and (os.path.islink(target) or not os.path.isfile(target)):
-            os.unlink(target)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)  # a directory where the published tree has a file
+            else:
+                os.unlink(target)
         if e.type == "l":
             os.symlink(e.target, target)
             continue

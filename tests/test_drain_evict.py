@@ -5,6 +5,7 @@ offline replay that has to fetch evicted segments from SHARED."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -167,3 +168,28 @@ def test_a_failed_export_leaves_an_earlier_copy_whole_and_no_partial_file(
     assert "checksum" in assert_one_line_error(res, "export of a damaged object")
     assert (dest / "shard").read_bytes() == data
     assert sorted(p.name for p in dest.iterdir()) == ["shard"]
+
+
+def test_export_again_after_paths_changed_kind_mirrors_the_published_tree(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """A file that became a directory and a directory that became a file (or a symlink)
+    between two exports into the same DEST: the second export replaces them, as it replaces
+    changed files, instead of failing with "File exists"."""
+    m = start_node(make_mount, "a", "n0")
+    write_tree(m.mnt, {"step_1/a": b"file a", "step_1/b/x": b"in dir b", "step_1/c/y": b"y"})
+    wait_published(m.mnt)
+    dest = tmp_path / "out"
+    cli("export", m.shared, "step_1", dest)
+    os.unlink(m.mnt / "step_1/a")
+    write_tree(m.mnt, {"step_1/a/inner": b"a is a directory now"})
+    os.unlink(m.mnt / "step_1/b/x")
+    os.rmdir(m.mnt / "step_1/b")
+    write_tree(m.mnt, {"step_1/b": b"b is a file now"})
+    os.unlink(m.mnt / "step_1/c/y")
+    os.rmdir(m.mnt / "step_1/c")
+    os.symlink("a/inner", m.mnt / "step_1/c")
+    wait_published(m.mnt)
+    cli("export", m.shared, "step_1", dest)
+    assert (dest / "a/inner").read_bytes() == b"a is a directory now"
+    assert (dest / "b").read_bytes() == b"b is a file now"
+    assert os.readlink(dest / "c") == "a/inner"
