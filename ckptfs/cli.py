@@ -25,6 +25,9 @@ log = logging.getLogger("ckptfs")
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 
 
+MAX_SEGMENT = 64 << 30
+
+
 def parse_size(text: str) -> int:
     m = SIZE_RE.match(text)
     if not m:
@@ -197,6 +200,13 @@ def cmd_mount(a: argparse.Namespace) -> int:
         raise CliError("--publish-batch must be at least 1")
     if a.segment_size < (1 << 20):
         raise CliError("--segment-size must be at least 1M")
+    if a.segment_size > MAX_SEGMENT:
+        raise CliError("--segment-size must be at most 64G: a segment is the unit of upload "
+                       "and eviction, and nothing of it drains before it is sealed")
+    if a.cache_size and a.segment_size > a.cache_size // 2:
+        raise CliError(f"--segment-size ({a.segment_size:,} bytes) must be at most half of "
+                       f"--cache-size ({a.cache_size:,} bytes): the segment being written "
+                       f"cannot be evicted, nor one waiting for its upload")
     if a.node_id is not None:  # before anything is written into NVME under that name
         try:
             check_node_id(a.node_id)

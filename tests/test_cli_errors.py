@@ -299,3 +299,16 @@ def test_help_exits_0() -> None:
         res = run_cli(*argv)
         assert res.rc == 0, str(res)
         assert "usage: ckptfs" in res.out, str(res)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--segment-size", "65G"], "at most 64g"),
+    (["--segment-size", "64M", "--cache-size", "100M"], "half of --cache-size"),
+])
+def test_mount_with_a_segment_size_out_of_range(tmp_path: Path, extra: list[str],
+                                                words: str) -> None:
+    for d in ("nvme", "shared", "mnt"):
+        (tmp_path / d).mkdir()
+    res = run_cli("mount", tmp_path / "nvme", tmp_path / "shared", tmp_path / "mnt", *extra)
+    assert_error_line(res, words)
+    assert not os.listdir(tmp_path / "nvme")  # refused before anything was written there
