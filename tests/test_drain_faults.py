@@ -29,6 +29,7 @@ from test_shared_support import (
     cli,
     control,
     export_files,
+    fsck,
     ls_json,
     objects,
     start_node,
@@ -403,3 +404,45 @@ def test_sigkill_at_random_moments_of_the_drain(make_mount: MakeMount, tmp_path:
     without_upload_limit(m)
     m.remount()
     check_after_kill(m, tmp_path, expected)
+
+
+@contextlib.contextmanager
+def immutable(d: Path) -> Iterator[None]:
+    """No new names in directory d (`chattr +i`): what is there stays readable."""
+    run("chattr", "+i", str(d))
+    try:
+        yield
+    finally:
+        run("chattr", "-i", str(d))
+
+
+def test_gc_keeps_what_the_newest_manifest_names_until_a_newer_one_is_out(
+        make_mount: MakeMount) -> None:
+    """A deleted checkpoint's objects stay on SHARED while the newest manifest there still
+    names them (another node, or `export`, reads that manifest, not this node's view): with
+    new manifests refused, `ckptfs gc` deletes nothing and says why in one line; once a
+    manifest without them is out, it deletes them, and SHARED stays consistent throughout."""
+    m = start_node(make_mount, "a", "n0", extra=["--gc-grace", "0"], segment_size="1M")
+    write_tree(m.mnt, {f"step_1/__{r}_0.distcp": blob(f"s{r}", 900_000) for r in range(3)})
+    wait_published(m.mnt)
+    before = {p.name for p in objects(m.shared, "n0")}
+    with immutable(m.shared / "ckptfs" / "manifests" / "n0"):
+        for r in range(3):
+            os.unlink(m.mnt / f"step_1/__{r}_0.distcp")
+        os.rmdir(m.mnt / "step_1")
+        write_tree(m.mnt, {"step_2/x": blob("x", 900_000)})
+        wait_for(lambda: status(m)["bytes_pending_upload"] == 0
+                 and status(m)["segments"].get("published", 0) > len(before), 30,
+                 "the deletion to be published (its objects; its manifest is refused)")
+        res = cli("gc", m.mnt, check=False)
+        assert "no manifest" in assert_one_line_error(res, "gc while manifests are refused")
+        assert before <= {p.name for p in objects(m.shared, "n0")}
+        rc, report, err = fsck(m.shared)
+        assert rc == 0, (report, err)
+    res = cli("gc", m.mnt)
+    freed = int(res.stdout.split(" segments freed")[0].rsplit(" ", 1)[-1])
+    assert freed > 0, res.stdout
+    assert not before <= {p.name for p in objects(m.shared, "n0")}, "nothing was deleted"
+    rc, report, err = fsck(m.shared)
+    assert rc == 0, (report, err)
+    assert (m.mnt / "step_2/x").read_bytes() == blob("x", 900_000)
