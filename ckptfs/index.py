@@ -401,9 +401,14 @@ class Index:
         if sealed_ns is not None:
             cur.sealed_ns = sealed_ns
         self._put_segment(seg, cur)
+        # a change for the next commit even without a log record (the drain's intent before
+        # an upload, PUBLISHED, EVICTED): a commit skipped because none came would lose it,
+        # and after a crash in an idle period published segments would go out again
+        self.dirty += 1
 
     def drop_segment(self, seg: int) -> None:
         self.txn.delete(U64.pack(seg), db=self.segments)
+        self.dirty += 1
 
     def iter_segments(self) -> Iterator[tuple[int, SegInfo]]:
         self._flush_dead()
