@@ -12,8 +12,10 @@ copy, verify, record, then delete:
    the cold store and the object's tier);
 3. once that manifest is published, delete the shared-tier copy and the local file.
 
-A crash before 2 leaves a harmless extra copy on the cold store (the next move overwrites it
-atomically); a crash between 2 and 3 leaves the shared copy, which the next mount deletes.
+A crash before 2 leaves an extra copy on the cold store that nothing names yet: the next move
+keeps it if it verifies whole, and replaces it otherwise (published objects are never
+replaced, but this one is not published until its TIER record is). A crash between 2 and 3
+leaves the shared copy, which the next mount deletes.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class ColdTier:
             self._kick.set()
 
     async def run(self) -> None:
+        for name in os.listdir(self.d.cfg.nvme):  # downloads a crash interrupted
+            if name.startswith(".cold-"):
+                try:
+                    os.unlink(os.path.join(self.d.cfg.nvme, name))
+                except OSError as e:
+                    log.warning("cannot remove %s: %s", name, e)
         try:
             n = await trio.to_thread.run_sync(self.cold.clean_temp, self.d.cfg.node_id)
             if n:
@@ -95,21 +103,47 @@ class ColdTier:
         node = self.d.cfg.node_id
         src = self.d.seglog.path(seg)
         tmp = None
-        if not local:
-            tmp = os.path.join(self.d.cfg.nvme, f".cold-{fmt.segment_name(seg)}")
-            with open(tmp, "wb") as f:
-                for chunk in self.d.store.iter_object(node, seg):
-                    f.write(chunk)
-            src = tmp
         try:
-            self.cold.put_object(node, seg, src)
+            if not local:
+                tmp = os.path.join(self.d.cfg.nvme, f".cold-{fmt.segment_name(seg)}")
+                with open(tmp, "wb") as f:
+                    for chunk in self.d.store.iter_object(node, seg):
+                        f.write(chunk)
+                src = tmp
+            try:
+                self.cold.put_object(node, seg, src)
+            except FileExistsError:
+                # left by a move that stopped before its TIER record (a crash, or a copy that
+                # did not verify): nothing names it yet
+                if self._verify(node, seg, size):
+                    log.info("segment %s: keeping the whole copy an earlier move left on the "
+                             "cold tier", fmt.segment_name(seg))
+                    return
+                log.warning("segment %s: replacing the damaged copy an earlier move left on "
+                            "the cold tier", fmt.segment_name(seg))
+                self.cold.delete_object(node, seg)
+                self.cold.put_object(node, seg, src)
         finally:
-            if tmp is not None:
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
         copy = fmt.SealedSegment(f"cold {node}/{fmt.segment_name(seg)}", size,
                                  lambda o, n: self.cold.read_range(node, seg, o, n))
         for _rec in copy.records(data_payloads=True):  # raises CorruptRecord on a bad copy
             pass
+
+    def _verify(self, node: str, seg: int, size: int) -> bool:
+        """Whether the cold store's copy of seg is whole: its size, and every record's
+        checksum."""
+        try:
+            if self.cold.object_size(node, seg) != size:
+                return False
+            copy = fmt.SealedSegment(f"cold {node}/{fmt.segment_name(seg)}", size,
+                                     lambda o, n: self.cold.read_range(node, seg, o, n))
+            for _rec in copy.records(data_payloads=True):
+                pass
+        except (OSError, fmt.CorruptRecord):
+            return False
+        return True
 
     async def move_pending(self) -> None:
         moved: list[tuple[int, int, bool]] = []

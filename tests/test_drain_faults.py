@@ -28,6 +28,7 @@ from test_shared_support import (
     blob,
     cli,
     control,
+    drop_caches,
     export_files,
     fsck,
     ls_json,
@@ -446,3 +447,70 @@ def test_gc_keeps_what_the_newest_manifest_names_until_a_newer_one_is_out(
     rc, report, err = fsck(m.shared)
     assert rc == 0, (report, err)
     assert (m.mnt / "step_2/x").read_bytes() == blob("x", 900_000)
+
+
+def test_segment_states_survive_a_sigkill_in_an_idle_period(make_mount: MakeMount) -> None:
+    """What the drain records about segments (the intent to upload, PUBLISHED) reaches the
+    index's disk copy even when no log record follows: after a SIGKILL in an idle period,
+    nothing is uploaded again (a batch would go out twice, a copy of it left on SHARED
+    that no manifest names) and SHARED stays consistent after the file is deleted and GC'd."""
+    m = start_node(make_mount, "a", "n0", segment_size="1M")
+    store = m.shared / "ckptfs"
+    store.rename(m.shared / "away")  # a backlog of sealed segments builds up
+    data = blob("a", 4_000_000)
+    write_tree(m.mnt, {"a.bin": data})
+    time.sleep(3)
+    (m.shared / "away").rename(store)
+    wait_published(m.mnt / "a.bin")
+    before = sorted(p.relative_to(store) for p in store.rglob("*.seg"))
+    time.sleep(4)  # idle: no log record
+    m.kill()
+    m.clean_stale()
+    m.start()
+    time.sleep(3)
+    assert status(m)["segments_uploaded"] == 0, status(m)["segments"]
+    assert sorted(p.relative_to(store) for p in store.rglob("*.seg")) == before
+    assert (m.mnt / "a.bin").read_bytes() == data
+    os.unlink(m.mnt / "a.bin")
+    write_tree(m.mnt, {"b.bin": b"x"})
+    wait_published(m.mnt / "b.bin")
+    cli("gc", m.mnt)
+    m.unmount()
+    rc, report, err = fsck(m.shared)
+    assert rc == 0, (report, err)
+
+
+@pytest.mark.parametrize("left", ["whole", "damaged"])
+def test_a_cold_copy_left_by_an_interrupted_move_is_kept_or_replaced(
+        make_mount: MakeMount, tmp_path: Path, left: str) -> None:
+    """A move to the cold tier that stopped after its copy and before its TIER record (a
+    SIGKILL, or a copy that did not verify) leaves an object on the cold store that nothing
+    names yet. The next move keeps it if it is whole and replaces it if not, instead of
+    failing on it forever ("already exists") with every later move stuck behind it."""
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    m = start_node(make_mount, "a", "n0", extra=["--keep-shared", "1", "--cold", str(cold)],
+                   segment_size="1M")
+    one = blob("1", 2_500_000)
+    write_tree(m.mnt, {"step_1/model.pt": one, "step_1/.metadata": b"m"})
+    wait_published(m.mnt / "step_1")
+    planted = cold / "ckptfs" / "objects" / "n0"
+    planted.mkdir(parents=True, exist_ok=True)
+    for p in objects(m.shared, "n0"):  # what an interrupted move of step_1 leaves
+        data = p.read_bytes()
+        (planted / p.name).write_bytes(data if left == "whole" else data[: len(data) // 2])
+    write_tree(m.mnt, {"step_2/model.pt": blob("2", 2_500_000), "step_2/.metadata": b"m"})
+    wait_published(m.mnt / "step_2")
+
+    def moved() -> dict | None:
+        st = status(m)
+        return st if st["segments"].get("cold") and not st["cold"]["pending"] else None
+
+    st = wait_for(moved, 60, "step_1 to move to the cold tier")
+    assert st["cold"]["segments_moved"] > 0 and st["cold"]["last_error"] is None, st["cold"]
+    cli("evict", m.mnt, "--all")
+    drop_caches()
+    assert (m.mnt / "step_1/model.pt").read_bytes() == one
+    assert export_files(m.shared, "step_1", tmp_path / "out")["model.pt"] == one
+    rc, report, err = fsck(m.shared)
+    assert rc == 0, (report, err)
