@@ -275,6 +275,7 @@ class Daemon:
         self.drain = Drain(cfg.nvme, cfg.node_id, self.index, self.store, self.seglog.path,
                            self.commit_index, cfg.upload_streams, cfg.upload_limit,
                            cfg.publish_batch)
+        self.drain.manifest_floor = int(ident.get("adopted_seq", 0))
         self.cache = LocalCache(cfg.nvme, self.index, self.reader, self.seglog.path,
                                 lambda: self.seglog.tail if self.seglog.fd >= 0 else 0,
                                 cfg.cache)
@@ -313,11 +314,23 @@ class Daemon:
                 raise CliError(f"cannot read node {cfg.node_id}'s manifests on {cfg.shared} "
                                f"({errors[0] if errors else 'none readable'}): a new NVME "
                                f"directory imports them; mount again once SHARED is readable")
+            own = found.get(cfg.node_id)
+            if not ident.get("adopted", True) and own is not None and own.cold \
+                    and self.cold is None:
+                # the imported files would point at objects on a tier this mount cannot
+                # read, and its manifests would lose where they are
+                raise CliError(f"node {cfg.node_id} has checkpoints on the cold tier "
+                               f"{own.cold}: a new NVME directory for it must be mounted "
+                               f"with --cold {own.cold}")
             self.refresher.apply_all(found, at_mount=True)
             if not ident.get("adopted", True):
                 self.seglog.sync_now()  # the imports are in the log, durably: now say so
                 self.index.commit()
                 ident["adopted"] = True
+                # segments before the imports (a mount attempt refused after its first
+                # record) may publish first: no manifest until the imports are published
+                ident["adopted_seq"] = self.seglog.seq
+                self.drain.manifest_floor = self.seglog.seq
                 layout.publish_bytes(os.path.join(cfg.nvme, layout.IDENTITY_FILE),
                                      (json.dumps(ident) + "\n").encode())
         except OSError as e:

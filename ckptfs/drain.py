@@ -112,6 +112,10 @@ class Drain:
         self.yielding = False
         self.yield_seconds = 0.0
         self.manifest_interval = 30.0
+        # no manifest before the published view reaches this log sequence: a new NVME
+        # directory's import of its node's namespace (a manifest of the view before it would
+        # say the node publishes nothing, and other nodes would drop its files)
+        self.manifest_floor = 0
         # when the published view first got ahead of the last manifest (None: it is not)
         self._unmanifested_since: float | None = None
 
@@ -509,6 +513,11 @@ class Drain:
         if need is not None and self.published_seq >= need:
             want_manifest = True
         if not want_manifest or self.published_seq <= self.manifest_seq:
+            return
+        if self.published_seq < self.manifest_floor:
+            log.debug("manifest deferred: the import of this node's namespace is not "
+                      "published yet")
+            self.pub.commit()
             return
         objects = {manifest.obj_name(self.node, s):
                    ({"size": i.size, "tier": "cold"} if i.state == SegState.COLD

@@ -32,6 +32,7 @@ from test_shared_support import (
     export_files,
     fsck,
     ls_json,
+    node_args,
     objects,
     start_node,
     status,
@@ -480,13 +481,11 @@ def test_segment_states_survive_a_sigkill_in_an_idle_period(make_mount: MakeMoun
     assert rc == 0, (report, err)
 
 
-@pytest.mark.parametrize("left", ["whole", "damaged"])
-def test_a_cold_copy_left_by_an_interrupted_move_is_kept_or_replaced(
-        make_mount: MakeMount, tmp_path: Path, left: str) -> None:
-    """A move to the cold tier that stopped after its copy and before its TIER record (a
-    SIGKILL, or a copy that did not verify) leaves an object on the cold store that nothing
-    names yet. The next move keeps it if it is whole and replaces it if not, instead of
-    failing on it forever ("already exists") with every later move stuck behind it."""
+def _step_1_to_cold(make_mount: MakeMount, tmp_path: Path,
+                    left: str = "") -> tuple[Mount, Path, bytes]:
+    """n0 with step_1 moved to a cold directory (step_2 newest); with `left`, copies of
+    step_1's objects ("whole" or "damaged") were put on the cold store before the move, as
+    an interrupted move leaves them. (mount, cold directory, step_1/model.pt)"""
     cold = tmp_path / "cold"
     cold.mkdir()
     m = start_node(make_mount, "a", "n0", extra=["--keep-shared", "1", "--cold", str(cold)],
@@ -494,11 +493,12 @@ def test_a_cold_copy_left_by_an_interrupted_move_is_kept_or_replaced(
     one = blob("1", 2_500_000)
     write_tree(m.mnt, {"step_1/model.pt": one, "step_1/.metadata": b"m"})
     wait_published(m.mnt / "step_1")
-    planted = cold / "ckptfs" / "objects" / "n0"
-    planted.mkdir(parents=True, exist_ok=True)
-    for p in objects(m.shared, "n0"):  # what an interrupted move of step_1 leaves
-        data = p.read_bytes()
-        (planted / p.name).write_bytes(data if left == "whole" else data[: len(data) // 2])
+    if left:
+        planted = cold / "ckptfs" / "objects" / "n0"
+        planted.mkdir(parents=True, exist_ok=True)
+        for p in objects(m.shared, "n0"):
+            data = p.read_bytes()
+            (planted / p.name).write_bytes(data if left == "whole" else data[: len(data) // 2])
     write_tree(m.mnt, {"step_2/model.pt": blob("2", 2_500_000), "step_2/.metadata": b"m"})
     wait_published(m.mnt / "step_2")
 
@@ -508,9 +508,47 @@ def test_a_cold_copy_left_by_an_interrupted_move_is_kept_or_replaced(
 
     st = wait_for(moved, 60, "step_1 to move to the cold tier")
     assert st["cold"]["segments_moved"] > 0 and st["cold"]["last_error"] is None, st["cold"]
+    return m, cold, one
+
+
+@pytest.mark.parametrize("left", ["whole", "damaged"])
+def test_a_cold_copy_left_by_an_interrupted_move_is_kept_or_replaced(
+        make_mount: MakeMount, tmp_path: Path, left: str) -> None:
+    """A move to the cold tier that stopped after its copy and before its TIER record (a
+    SIGKILL, or a copy that did not verify) leaves an object on the cold store that nothing
+    names yet. The next move keeps it if it is whole and replaces it if not, instead of
+    failing on it forever ("already exists") with every later move stuck behind it."""
+    m, _cold, one = _step_1_to_cold(make_mount, tmp_path, left)
     cli("evict", m.mnt, "--all")
     drop_caches()
     assert (m.mnt / "step_1/model.pt").read_bytes() == one
+    assert export_files(m.shared, "step_1", tmp_path / "out")["model.pt"] == one
+    rc, report, err = fsck(m.shared)
+    assert rc == 0, (report, err)
+
+
+def test_a_new_nvme_for_a_node_with_cold_checkpoints_needs_cold(make_mount: MakeMount,
+                                                                 tmp_path: Path) -> None:
+    """A new NVME directory adopting a node whose manifest names a cold tier is refused
+    without --cold (its files would point at objects it cannot read, and its manifests
+    would stop saying where they are: fsck and export from SHARED would then fail).
+
+    The refused attempt leaves a segment (the new root's owner) that publishes before the
+    next attempt's import of the namespace: no manifest may go out before the import is
+    published, or SHARED says for a while that the node publishes nothing."""
+    m, cold, one = _step_1_to_cold(make_mount, tmp_path)
+    m.unmount()
+    d = make_mount("d", node_args("n0"), segment_size="1M", start=False)
+    d.shared = m.shared
+    with pytest.raises(RuntimeError, match=f"mounted with --cold {cold}"):
+        d.start()
+    d.extra_args = [*d.extra_args, "--keep-shared", "1", "--cold", str(cold)]
+    d.start()
+    assert (d.mnt / "step_1/model.pt").read_bytes() == one
+    for _ in range(20):  # every manifest published meanwhile still lists the checkpoints
+        assert {e["path"] for e in ls_json(m.shared)} >= {"step_1/model.pt", "step_2/model.pt"}
+        time.sleep(0.1)
+    d.unmount()
     assert export_files(m.shared, "step_1", tmp_path / "out")["model.pt"] == one
     rc, report, err = fsck(m.shared)
     assert rc == 0, (report, err)
