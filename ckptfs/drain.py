@@ -465,6 +465,18 @@ class Drain:
                 self._kick.set()  # come back for the manifest
                 await trio.sleep(0.2)
 
+    def _published_already(self, data: bytes) -> bool:
+        """Whether this node's manifest of the same sequence on SHARED says what `data` says
+        (it may differ in its creation time only)."""
+        try:
+            have = manifest.parse(self.store.get_manifest(self.node, self.published_seq),
+                                  f"{self.node}/{self.published_seq:016x}.manifest")
+        except (OSError, manifest.ManifestError):
+            return False
+        mine = manifest.parse(data, "the manifest to publish")
+        return (have.node, have.objects, have.entries, have.cold) == \
+            (mine.node, mine.objects, mine.entries, mine.cold)
+
     def _open_sealed(self, seg: int, size: int) -> fmt.SealedSegment:
         path = self.seg_path(seg)
         try:
@@ -531,7 +543,14 @@ class Drain:
             self.pub.commit()
             return
         self.store.check()  # never publish into a shared filesystem that is not mounted
-        self.store.put_manifest(self.node, self.published_seq, data)
+        try:
+            self.store.put_manifest(self.node, self.published_seq, data)
+        except FileExistsError:
+            # put before a crash that came before the view's commit below: the view is
+            # applied again up to the same position, and its manifest is already out
+            if not self._published_already(data):
+                raise
+            log.info("manifest %016x was published before a restart", self.published_seq)
         # published: a retry after a failure below must not put this manifest again (a
         # published object is never replaced)
         self.manifest_seq = self.published_seq

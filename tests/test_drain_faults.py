@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import random
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -550,5 +551,34 @@ def test_a_new_nvme_for_a_node_with_cold_checkpoints_needs_cold(make_mount: Make
         time.sleep(0.1)
     d.unmount()
     assert export_files(m.shared, "step_1", tmp_path / "out")["model.pt"] == one
+    rc, report, err = fsck(m.shared)
+    assert rc == 0, (report, err)
+
+
+def test_a_manifest_put_before_a_crash_that_lost_the_views_commit_is_not_put_again(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """SIGKILL between a manifest's put and the commit of the published view it describes:
+    the next mount applies the same segments again and arrives at the same manifest, which
+    is on SHARED already. It counts as published (it was never replaced: a published
+    manifest is immutable), instead of an "already exists" retried forever that stops all
+    publishing."""
+    m = start_node(make_mount, "a", "n0", segment_size="1M")
+    write_tree(m.mnt, {"a": b"a"})
+    wait_published(m.mnt / "a")
+    m.unmount()
+    before = tmp_path / "published.before"
+    shutil.copytree(m.nvme / "published", before)  # the view as committed then
+    m.start()
+    write_tree(m.mnt, {"b": b"b"})
+    wait_published(m.mnt / "b")
+    m.kill()
+    m.clean_stale()
+    shutil.rmtree(m.nvme / "published")
+    shutil.copytree(before, m.nvme / "published")  # what the crash window leaves
+    m.start()
+    write_tree(m.mnt, {"c": b"c"})
+    wait_published(m.mnt / "c", timeout=30)
+    assert {e["path"] for e in ls_json(m.shared)} == {"a", "b", "c"}
+    m.unmount()
     rc, report, err = fsck(m.shared)
     assert rc == 0, (report, err)
