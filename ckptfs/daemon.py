@@ -163,6 +163,10 @@ def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = F
     rep = replay(index, seglog, full=full_replay and not from_snapshot, store=store,
                  node=node_id, first_seg=first_seg)
     rep.from_snapshot = from_snapshot
+    if from_snapshot and store is not None:
+        from ckptfs.recovery import reconcile_snapshot
+
+        reconcile_snapshot(index, seglog, store, node_id, rep)
     return index, seglog, rep
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs import segment as fmt
-from ckptfs.index import Index, SegState
+from ckptfs.index import VSEG_BIT, Index, SegState
 from ckptfs.log import SegmentLog
 from ckptfs.shared import SharedError
 
@@ -238,6 +238,40 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             rep.file_bytes += node.size
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+def reconcile_snapshot(index: Index, seglog: SegmentLog, store: Any, node: str,
+                       rep: ReplayReport) -> None:
+    """After a full replay that started from an index snapshot, whose segment states are as
+    old as the snapshot: a segment it calls SEALED, UPLOADING or PUBLISHED may have been
+    published, evicted, or deleted by garbage collection since (GC deletes only dead segments
+    that a snapshot covers). Make the states say what exists, or the drain would upload
+    a published segment a second time, or retry forever a segment that is nowhere."""
+    shared = getattr(store, "shared", store)  # the shared tier of a Tiered store
+    local = set(seglog.existing())
+    for seg, info in list(index.iter_segments()):
+        if seg & VSEG_BIT or info.state not in (SegState.SEALED, SegState.UPLOADING,
+                                                SegState.PUBLISHED):
+            continue
+        here = seg in local
+        if info.state == SegState.PUBLISHED and here:
+            continue
+        try:
+            there = shared.object_ok(node, seg, info.size)
+        except (OSError, AttributeError):
+            continue  # cannot tell: leave it to the drain
+        name = fmt.segment_name(seg)
+        if there:
+            index.set_segment(seg, SegState.PUBLISHED if here else SegState.EVICTED)
+        elif here:
+            continue  # not published yet: the drain uploads it
+        elif info.live == 0:
+            index.drop_segment(seg)
+            log.info("segment %s: deleted by garbage collection after the snapshot", name)
+        else:
+            rep.corruption.append(f"segment {name} is missing (not on NVMe nor on the shared "
+                                  f"store) but holds live data")
+            log.error("%s", rep.corruption[-1])
 
 
 def catch_up(index: Index, seglog: SegmentLog) -> int:

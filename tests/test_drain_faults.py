@@ -582,3 +582,43 @@ def test_a_manifest_put_before_a_crash_that_lost_the_views_commit_is_not_put_aga
     m.unmount()
     rc, report, err = fsck(m.shared)
     assert rc == 0, (report, err)
+
+
+def test_a_full_replay_from_an_old_snapshot_finds_segments_published_or_collected_since(
+        make_mount: MakeMount) -> None:
+    """GC's index snapshot remembers a segment as waiting for its upload; the segment is
+    then published, dies and is deleted by GC. A full replay (`ckptfs replay NVME`) starts
+    from that snapshot: the segment's state must follow what exists (published, evicted, or
+    gone), or the drain retries a segment that is nowhere forever (`wait` never returns,
+    `umount` hangs) or uploads a published one a second time."""
+    m = start_node(make_mount, "a", "n0", extra=["--gc-grace", "0"], segment_size="1M")
+    time.sleep(2)  # the first segment (the root's owner) seals idle: dead once published
+    write_tree(m.mnt, {"f1": b"x" * 1000})
+    wait_published(m.mnt / "f1")
+    fmt_file = m.shared / "ckptfs" / "FORMAT"
+    fmt_file.rename(fmt_file.with_name("FORMAT.away"))  # uploads stall, as with a NAS gone
+    try:
+        (m.mnt / "d1").mkdir()  # a segment of metadata only, sealed, not uploaded
+        time.sleep(2)
+        write_tree(m.mnt, {"f2": b"z" * 1000})
+        wait_for(lambda: status(m)["gc"]["snapshots"] >= 1, 60,
+                 "the periodic GC pass to take its snapshot")
+    finally:
+        fmt_file.with_name("FORMAT.away").rename(fmt_file)
+    wait_published(m.mnt / "f2")
+    os.rmdir(m.mnt / "d1")
+    write_tree(m.mnt, {"f3": b"y"})
+    wait_published(m.mnt / "f3")
+    cli("gc", m.mnt)
+    m.unmount()
+    res = cli("replay", m.nvme)
+    assert "starting from the index snapshot" in res.stdout, res.stdout
+    m.start()
+    write_tree(m.mnt, {"f4": b"w" * 1000})
+    wait_published(m.mnt / "f4", timeout=30)
+    assert status(m)["segments_uploaded"] <= 2, status(m)["segments"]  # f4's, a recovery seal
+    for name, data in (("f1", b"x" * 1000), ("f2", b"z" * 1000), ("f4", b"w" * 1000)):
+        assert (m.mnt / name).read_bytes() == data
+    m.unmount()
+    rc, report, err = fsck(m.shared)
+    assert rc == 0, (report, err)
