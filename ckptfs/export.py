@@ -8,6 +8,7 @@ and verified record by record. Paths from manifests are validated (manifest.pars
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import stat
@@ -150,6 +151,20 @@ def _ensure_dir(dest: str, path: str) -> None:
             os.mkdir(cur)
 
 
+def _temp_beside(parent: str) -> tuple[str, int]:
+    """A new file in `parent` for one exported file: (path, descriptor). A short name of its
+    own (the longest legal file name leaves no room to add to it), never one that exists:
+    that may be a file of the export itself, or the user's."""
+    for n in itertools.count():
+        tmp = os.path.join(parent, f".ckptfs-export.{os.getpid()}.{n}")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                                0o600)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
 def export(store: SharedStore, prefix: str, dest: str,
            progress: Callable[[int, int], None] | None = None,
            warn: Callable[[str], None] | None = None) -> tuple[int, int]:
@@ -189,8 +204,7 @@ def export(store: SharedStore, prefix: str, dest: str,
             continue
         # written beside its name and renamed onto it once whole: a failed export (a damaged
         # record, a full disk) never leaves a partial file, nor truncates a good earlier copy
-        tmp = os.path.join(parent, f".{os.path.basename(target)}.ckptfs-export")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        tmp, fd = _temp_beside(parent)
         try:
             try:
                 for off, data in read_file(view.resolver or store, e):

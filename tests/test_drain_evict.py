@@ -18,6 +18,7 @@ from test_shared_support import (
     cli,
     control,
     drop_caches,
+    export_files,
     start_node,
     status,
     wait_published,
@@ -193,3 +194,17 @@ def test_export_again_after_paths_changed_kind_mirrors_the_published_tree(
     assert (dest / "a/inner").read_bytes() == b"a is a directory now"
     assert (dest / "b").read_bytes() == b"b is a file now"
     assert os.readlink(dest / "c") == "a/inner"
+
+
+def test_export_of_the_longest_names_and_of_names_like_its_temporary_files(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """A 255-byte name exports (a temporary name made longer than the file's would not
+    exist), and a published file whose name looks like an export's temporary file is
+    exported as itself, neither overwritten nor taken for one."""
+    m = start_node(make_mount, "a", "n0")
+    files = {"d/" + "L" * 255: b"longest name", "d/a": b"file a",
+             "d/.a.ckptfs-export": b"looks temporary", "d/.ckptfs-export.1.0": b"also"}
+    write_tree(m.mnt, files)
+    wait_published(m.mnt)
+    got = export_files(m.shared, "d", tmp_path / "out")
+    assert got == {k[2:]: v for k, v in files.items()}, sorted(got)
