@@ -424,17 +424,12 @@ class _progress:
 # --- replay / status --------------------------------------------------------------------
 
 def cmd_replay(a: argparse.Namespace) -> int:
-    from ckptfs.daemon import NvmeLock, open_state
+    from ckptfs.daemon import NvmeLock, open_state, read_identity
 
     nvme = os.path.abspath(a.nvme)
     if not os.path.isdir(os.path.join(nvme, layout.SEGMENT_DIR)):
         raise CliError(f"{nvme} holds no ckptfs log (no {layout.SEGMENT_DIR}/ directory)")
-    ident: dict = {}
-    try:
-        with open(os.path.join(nvme, layout.IDENTITY_FILE)) as f:
-            ident = json.load(f)
-    except (OSError, ValueError):
-        pass
+    ident = read_identity(nvme) or {}
     store = None
     shared = a.shared or ident.get("shared")  # where the last mount drained to
     if shared:

@@ -114,6 +114,31 @@ class NvmeLock:
             self.fd = -1
 
 
+_IDENT_TYPES = {"node": str, "first_segment": int, "created_ns": int, "shared": str,
+                "cold": str, "adopted": bool, "adopted_seq": int}
+
+
+def read_identity(nvme: str) -> dict | None:
+    """NVME's identity file (see identity()), checked; None if there is none."""
+    path = os.path.join(nvme, layout.IDENTITY_FILE)
+    try:
+        with open(path) as f:
+            ident = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CliError(f"{path} is unreadable ({e}); it says which node this directory "
+                       f"belongs to") from None
+    bad = not isinstance(ident, dict) or any(
+        k in ident and (not isinstance(ident[k], t)
+                        or (t is int and isinstance(ident[k], bool)))
+        for k, t in _IDENT_TYPES.items())
+    if bad:
+        raise CliError(f"{path} is damaged (not the identity a mount wrote); it says which "
+                       f"node this directory belongs to")
+    return ident
+
+
 def identity(nvme: str, node_id: str | None, first_seg: int, shared: str,
              cold: str = "") -> dict:
     """NVME's identity file: which node it belongs to and its first segment id.
@@ -122,9 +147,8 @@ def identity(nvme: str, node_id: str | None, first_seg: int, shared: str,
     SHARED are named after the node.
     """
     path = os.path.join(nvme, layout.IDENTITY_FILE)
-    try:
-        with open(path) as f:
-            ident = json.load(f)
+    ident = read_identity(nvme)
+    if ident is not None:
         if node_id and ident.get("node") != node_id:
             raise CliError(f"{nvme} belongs to node {ident.get('node')!r}; mount it with "
                            f"--node-id {ident.get('node')} (or use an empty NVME directory)")
@@ -133,11 +157,6 @@ def identity(nvme: str, node_id: str | None, first_seg: int, shared: str,
             ident["cold"] = cold
             layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
         return ident
-    except FileNotFoundError:
-        pass
-    except (ValueError, AttributeError):
-        raise CliError(f"{path} is unreadable; it says which node this directory belongs "
-                       f"to") from None
     # "adopted" turns true once the node's published namespace was imported into this new
     # directory (see remote.Refresher.apply_all)
     ident = {"node": node_id or socket.gethostname(), "first_segment": first_seg,

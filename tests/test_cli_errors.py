@@ -262,6 +262,21 @@ def test_replay_of_a_missing_nvme(tmp_path: Path) -> None:
     assert_error_line(run_cli("replay", tmp_path / "nope"))
 
 
+@pytest.mark.parametrize("content", ["[1, 2]", '{"shared": 5}', '{"first_segment": "x"}',
+                                     "{not json"])
+def test_replay_and_mount_with_a_damaged_identity_file(tmp_path: Path, content: str) -> None:
+    """NVME/ckptfs.json (which node the directory belongs to, where it published) that is
+    not what a mount wrote: one error line from replay and mount, no traceback."""
+    nvme = tmp_path / "nvme"
+    (nvme / "segments").mkdir(parents=True)
+    (nvme / "ckptfs.json").write_text(content)
+    assert_error_line(run_cli("replay", nvme), "ckptfs.json")
+    for d in ("shared", "mnt"):
+        (tmp_path / d).mkdir()
+    assert_error_line(run_cli("mount", nvme, tmp_path / "shared", tmp_path / "mnt"),
+                      "ckptfs.json")
+
+
 # -- usage errors ------------------------------------------------------------------------------
 
 USAGE_ERROR = re.compile(r"^ckptfs(?: [a-z-]+)?: error: ")
