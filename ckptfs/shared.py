@@ -23,6 +23,7 @@ Anything read from SHARED is untrusted: other machines wrote it.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -180,6 +181,19 @@ class SharedStore:
             raise SharedError(f"{self.base}: {why}")
         if not self.exists():
             raise SharedError(f"{self.base} holds no ckptfs shared store (no {self.root})")
+        fmt_path = os.path.join(self.root, layout.SHARED_FORMAT_FILE)
+        try:
+            with open(fmt_path) as f:
+                found = json.load(f)
+        except FileNotFoundError:
+            raise SharedError(f"{fmt_path} is missing: a ckptfs shared store has one (a "
+                              f"damaged or partly copied store?)") from None
+        except (OSError, ValueError) as e:
+            raise SharedError(f"{fmt_path}: unreadable ckptfs format file ({e})") from None
+        if not isinstance(found, dict) or found.get("format") != layout.SHARED_FORMAT["format"] \
+                or not isinstance(found.get("version", 0), int) or found.get("version", 0) > 1:
+            raise SharedError(f"{fmt_path}: not a ckptfs shared store this version can read "
+                              f"({found})")
 
     def check(self) -> None:
         """Before publishing: the store's layout must still be there. A NAS that is not

@@ -392,3 +392,25 @@ def test_gc_says_in_one_line_that_it_did_not_run_while_shared_is_gone(
     res = cli("gc", a.mnt)
     assert "segments freed" in res.stdout
     assert (a.mnt / "step_1" / "x").read_bytes() == blob("x", 300_000)
+
+
+@pytest.mark.parametrize("damage", ["missing", "other-format", "newer-version"])
+def test_readers_refuse_a_store_whose_format_file_is_missing_or_foreign(
+        make_mount: MakeMount, tmp_path: Path, damage: str) -> None:
+    """ls, export and fsck read FORMAT as a mount does: a store without it (daemons will
+    not publish there) or of another format or a newer version is one error line, not
+    "ok" or an export made by guessing."""
+    a = start_node(make_mount, "a", "n0")
+    write_tree(a.mnt, GOOD)
+    wait_published(a.mnt)
+    a.unmount()
+    fmt_file = a.shared / "ckptfs" / "FORMAT"
+    if damage == "missing":
+        fmt_file.unlink()
+    else:
+        fmt_file.write_text(json.dumps({"format": "other"} if damage == "other-format"
+                                       else {"format": "ckptfs-shared", "version": 2}))
+    for args in (["fsck", a.shared], ["ls", a.shared], ["export", a.shared, "good",
+                                                         tmp_path / "out"]):
+        line = assert_one_line_error(cli(*args, check=False), f"{args[0]} ({damage})")
+        assert "FORMAT" in line, line
