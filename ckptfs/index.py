@@ -600,6 +600,7 @@ class Index:
         c.ctime_ns = rec.time_ns
         self.put_inode(c)
         self._touch_dir(parent, rec.time_ns)
+        self._clear_origin(rec.ino)  # see _apply_rename
 
     def _drop_link(self, child: int, now: int) -> bool:
         """One directory entry of `child` went away; True if the child was a directory."""
@@ -641,6 +642,8 @@ class Index:
                 if (m := self.get_inode(moved)) is not None:
                     m.ctime_ns = now
                     self.put_inode(m)
+                    if not m.is_dir:
+                        self._clear_origin(moved)  # see below
             if op != np_ and src_dir != dst_dir:
                 delta = 1 if dst_dir else -1
                 self._touch_dir(op, now, delta)
@@ -664,6 +667,15 @@ class Index:
         if src_ino is not None:
             src_ino.ctime_ns = now
             self.put_inode(src_ino)
+            if not src_dir:
+                # another node's file, renamed (or linked, or its mode, owner or mtime
+                # changed) here, is this node's from now on: it publishes the file under the
+                # new name, with extents in the other node's objects. The other node still
+                # publishes the old name, which comes back here at the next refresh: a rename
+                # of another node's file is a copy. Left that node's, the new name would be
+                # in no manifest (`wait` would say published) and be removed here once that
+                # node's next manifest does not list it.
+                self._clear_origin(src)
         if op == np_:
             self._touch_dir(op, now, -1 if dst_was_dir else 0)
         else:
@@ -675,6 +687,8 @@ class Index:
         if ino is None:
             return
         mask, mode, uid, gid, size, a, m, c = fmt.SETATTR_BODY.unpack_from(rec.payload)
+        if mask & (fmt.SET_MODE | fmt.SET_UID | fmt.SET_GID | fmt.SET_MTIME):
+            self._clear_origin(rec.ino)  # changed here: see _apply_rename
         if mask & fmt.SET_MODE:
             ino.mode = (ino.mode & ~0o7777) | (mode & 0o7777)
         if mask & fmt.SET_UID:

@@ -392,3 +392,33 @@ def test_retention_never_takes_a_checkpoint_brought_back_by_another_node_for_the
     wait_published(a.mnt)
     status(b, refresh=True)
     assert_files(newest, b.mnt, "a's newest checkpoints, seen from b")
+
+
+def test_renaming_or_linking_another_nodes_file_makes_a_copy_that_is_published(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """n1 renames, hard-links and chmods files it imported from n0. They become n1's: `wait`
+    on n1 means published (SHARED and `export` have them), and n0's next manifest, which
+    still lists the old names, brings those back as well instead of undoing n1's changes."""
+    a, b = two_nodes(make_mount)
+    f, h, k = blob("f", 70_000), blob("h", 1000), blob("k", 500)
+    write_tree(a.mnt, {"step_1/f": f, "step_1/h": h, "step_1/k": k})
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    os.rename(b.mnt / "step_1/f", b.mnt / "step_1/g")
+    os.link(b.mnt / "step_1/h", b.mnt / "step_1/h2")
+    os.chmod(b.mnt / "step_1/k", 0o600)
+    wait_published(b.mnt / "step_1")
+    listed = {e["path"]: e for e in ls_json(a.shared) if e["type"] == "f"}
+    assert {"step_1/g", "step_1/h2"} <= set(listed), sorted(listed)
+    assert export_files(a.shared, "step_1", tmp_path / "out")["g"] == f
+    write_tree(a.mnt, {"other": b"n0 publishes again"})
+    wait_published(a.mnt / "other")
+    time.sleep(3 * REFRESH)
+    status(b, refresh=True)
+    assert walk_mount(b.mnt) >= {"step_1/f", "step_1/g", "step_1/h", "step_1/h2"}, \
+        walk_mount(b.mnt)
+    assert (b.mnt / "step_1/g").read_bytes() == f
+    assert (b.mnt / "step_1/h2").read_bytes() == h
+    status(a, refresh=True)
+    assert (a.mnt / "step_1/g").read_bytes() == f  # n0 sees n1's copy
+    assert_fsck_clean(a.shared)
