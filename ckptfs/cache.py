@@ -76,7 +76,9 @@ class LocalCache:
         """(usage fraction against the watermarks, at the hard limit?)."""
         du = shutil.disk_usage(self.nvme)
         fs_frac = (du.total - du.free) / du.total if du.total else 0.0
-        hard = du.free < min(HEADROOM, du.total // 16)
+        # the headroom must outlast what is written between two measurements, and one more
+        # write (a small disk's 1/16 would not: writes would get a real ENOSPC, not the wait)
+        hard = du.free < max(min(HEADROOM, du.total // 16), self._check_every + (2 << 20))
         frac = fs_frac
         if self.cfg.cache_size:
             mine = self.local_bytes + self.active_bytes()

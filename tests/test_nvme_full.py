@@ -80,3 +80,27 @@ def test_full_nvme_gives_enospc_and_keeps_everything_acknowledged(make_mount: Ma
         m.teardown()
         umount(m.nvme)
         umount(m.shared)
+
+
+def test_a_tiny_nvme_makes_writers_wait_before_enospc(make_mount: MakeMount) -> None:
+    """On an 8 MiB NVME the free space kept back must still cover what is written between two
+    measurements: a writer that fills the disk waits --enospc-timeout for room (the drain
+    cannot make any), then gets ckptfs's ENOSPC, not the filesystem's at once."""
+    import time
+
+    m = make_mount(start=False, extra_args=("--enospc-timeout", "2"), segment_size="1M")
+    sh("mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(m.nvme))
+    sh("mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(m.shared))
+    try:
+        m.start()
+        t0 = time.monotonic()
+        _done, err = write_until_full(m.mnt, random.Random(5))
+        check_errno(err, errno.ENOSPC)
+        st = json.loads(run_cli("status", m.mnt, "--json").out)
+        assert st["cache"]["enospc_errors"] >= 1, st["cache"]
+        assert time.monotonic() - t0 >= 2, "ENOSPC without the wait"
+        m.unmount()
+    finally:
+        m.teardown()
+        umount(m.nvme)
+        umount(m.shared)
