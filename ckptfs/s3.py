@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import logging
 import os
 import threading
 from typing import Any, Callable, Iterator
@@ -26,6 +27,12 @@ import xxhash
 from ckptfs import layout
 from ckptfs import segment as fmt
 from ckptfs.shared import MAN_RE, NODE_RE, OBJ_RE, RateLimiter, SharedError
+
+log = logging.getLogger(__name__)
+
+
+class _Unsupported(OSError):
+    """The server does not implement a request option (501 NotImplemented)."""
 
 PART_SIZE = 64 << 20
 READ_CHUNK = 8 << 20
@@ -60,6 +67,9 @@ class S3Store:
         self.bytes_uploaded = 0
         self.bytes_read = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(self.streams, "ckptfs-s3-part")
+        # published objects and manifests are never replaced: PUTs carry If-None-Match: *
+        # (AWS S3, MinIO, SeaweedFS), unless the server says it does not implement it
+        self.no_replace = True
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -92,6 +102,10 @@ class S3Store:
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") \
                     or status == 403:
                 raise PermissionError(errno.EACCES, msg) from None
+            if code == "PreconditionFailed" or status == 412:
+                raise FileExistsError(errno.EEXIST, f"{msg}: the key exists already") from None
+            if code == "NotImplemented" or status == 501:
+                raise _Unsupported(errno.EIO, msg) from None
             raise OSError(errno.EIO, msg) from None
         except NoCredentialsError:
             raise PermissionError(errno.EACCES, "no AWS credentials found (set "
@@ -181,6 +195,19 @@ class S3Store:
     def object_key(self, node: str, seg: int) -> str:
         return self._key("objects", node, fmt.segment_name(seg))
 
+    def _put_new(self, op: str, fn: Callable[..., Any], **kw: Any) -> Any:
+        """A PUT or multipart completion that never replaces an existing key
+        (FileExistsError), where the server implements If-None-Match."""
+        if self.no_replace:
+            try:
+                return self._call(op, fn, IfNoneMatch="*", **kw)
+            except _Unsupported:
+                self.no_replace = False
+                log.warning("%s does not implement conditional writes (If-None-Match): a "
+                            "published object could be replaced by another NVME directory "
+                            "mounted under the same node id", self.client.meta.endpoint_url)
+        return self._call(op, fn, **kw)
+
     def put_object(self, node: str, seg: int, src: str, limiter: RateLimiter | None = None,
                    progress: Callable[[int], None] | None = None) -> tuple[int, str]:
         key = self.object_key(node, seg)
@@ -192,7 +219,12 @@ class S3Store:
             if limiter is not None:
                 limiter.take(len(data))
             h.update(data)
-            self._call("put", self.client.put_object, Key=key, Body=data)
+            try:
+                self._put_new("put", self.client.put_object, Key=key, Body=data)
+            except FileExistsError:
+                raise FileExistsError(errno.EEXIST, f"object {node}/{fmt.segment_name(seg)} "
+                                      f"already exists on SHARED: is another NVME directory "
+                                      f"mounted as node {node}?") from None
             self._count("bytes_uploaded", len(data))
             if progress is not None:
                 progress(len(data))
@@ -223,8 +255,13 @@ class S3Store:
                 for f in futs:
                     f.cancel()
                 concurrent.futures.wait(futs)
-            self._call("complete_multipart", self.client.complete_multipart_upload, Key=key,
-                       UploadId=upload_id, MultipartUpload={"Parts": parts})
+            try:
+                self._put_new("complete_multipart", self.client.complete_multipart_upload,
+                              Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+            except FileExistsError:
+                raise FileExistsError(errno.EEXIST, f"object {node}/{fmt.segment_name(seg)} "
+                                      f"already exists on SHARED: is another NVME directory "
+                                      f"mounted as node {node}?") from None
         except BaseException:
             try:
                 self._call("abort_multipart", self.client.abort_multipart_upload, Key=key,
@@ -259,7 +296,12 @@ class S3Store:
 
     def put_manifest(self, node: str, seq: int, data: bytes) -> str:
         key = self._key("manifests", node, f"{seq:016x}.manifest")
-        self._call("put", self.client.put_object, Key=key, Body=data)
+        try:
+            self._put_new("put", self.client.put_object, Key=key, Body=data)
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, f"manifest {node}/{seq:016x} already exists on "
+                                  f"SHARED: is another NVME directory mounted as node "
+                                  f"{node}?") from None
         return key
 
     def delete_object(self, node: str, seg: int) -> None:

@@ -350,3 +350,28 @@ def test_cold_tier_move_and_read_back(cold_kind: str, mounts, tmp_path: Path,
     res = run_cli("replay", m.nvme, "--json")
     assert res.rc == 0, str(res)
     assert json.loads(res.out)["files"] == 4
+
+
+@pytest.mark.parametrize("size", [100_000, 20 << 20], ids=["one-put", "multipart"])
+def test_published_objects_and_manifests_are_never_replaced_on_s3(
+        weed: Weed, tmp_path: Path, size: int) -> None:
+    """As on a directory, an object or manifest key that exists is never written over
+    (If-None-Match: *), whether the object goes in one PUT or in parts: the second writer
+    gets "already exists" and the first one's bytes stay."""
+    from ckptfs import segment as fmt
+    from ckptfs.s3 import S3Store
+
+    store = S3Store(f"s3://{new_bucket(weed)}/x", part_size=8 << 20)  # 20 MiB: 3 parts
+    store.init()
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.write_bytes(os.urandom(size))
+    second.write_bytes(os.urandom(size))
+    store.put_object("n0", 1, str(first))
+    with pytest.raises(FileExistsError, match="already exists"):
+        store.put_object("n0", 1, str(second))
+    assert store.read_range("n0", 1, 0, size) == first.read_bytes()
+    store.put_manifest("n0", 7, b"manifest one")
+    with pytest.raises(FileExistsError, match="already exists"):
+        store.put_manifest("n0", 7, b"manifest two")
+    assert store.get_manifest("n0", 7) == b"manifest one"
+    assert fmt.segment_name(1) in str(store.object_key("n0", 1))
