@@ -600,7 +600,6 @@ class Index:
         c.ctime_ns = rec.time_ns
         self.put_inode(c)
         self._touch_dir(parent, rec.time_ns)
-        self._clear_origin(rec.ino)  # see _apply_rename
 
     def _drop_link(self, child: int, now: int) -> bool:
         """One directory entry of `child` went away; True if the child was a directory."""
@@ -668,13 +667,14 @@ class Index:
             src_ino.ctime_ns = now
             self.put_inode(src_ino)
             if not src_dir:
-                # another node's file, renamed (or linked, or its mode, owner or mtime
-                # changed) here, is this node's from now on: it publishes the file under the
-                # new name, with extents in the other node's objects. The other node still
-                # publishes the old name, which comes back here at the next refresh: a rename
-                # of another node's file is a copy. Left that node's, the new name would be
-                # in no manifest (`wait` would say published) and be removed here once that
-                # node's next manifest does not list it.
+                # another node's file renamed here is this node's from now on: it publishes
+                # the file under the new name, with extents in the other node's objects. The
+                # other node still publishes the old name, which comes back here at the next
+                # refresh: a rename of another node's file is a copy. Left that node's, the
+                # new name would be in no manifest (`wait` would say published) and be
+                # removed here once that node's next manifest does not list it. (Not for a
+                # hard link or a chmod: the file would stay this node's under its old name
+                # too, and the other node's deletes would no longer reach it.)
                 self._clear_origin(src)
         if op == np_:
             self._touch_dir(op, now, -1 if dst_was_dir else 0)
@@ -687,8 +687,6 @@ class Index:
         if ino is None:
             return
         mask, mode, uid, gid, size, a, m, c = fmt.SETATTR_BODY.unpack_from(rec.payload)
-        if mask & (fmt.SET_MODE | fmt.SET_UID | fmt.SET_GID | fmt.SET_MTIME):
-            self._clear_origin(rec.ino)  # changed here: see _apply_rename
         if mask & fmt.SET_MODE:
             ino.mode = (ino.mode & ~0o7777) | (mode & 0o7777)
         if mask & fmt.SET_UID:
