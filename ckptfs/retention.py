@@ -5,17 +5,20 @@ A checkpoint is a top-level directory whose name matches a `--retain` glob (defa
 `checkpoint-*`, `global_step*`). It is *complete* once it holds a commit marker (a file whose
 name matches a `--marker` glob: DCP's `.metadata`, HF's `trainer_state.json`), or once a
 top-level marker file (DeepSpeed's `latest`) names it. Order is the order in which the
-checkpoints completed: the newest change time of the directory's commit marker, or, for a
-marker imported from another node, the modification time it has on the node that wrote it
-(the manifest's). A checkpoint without a marker of its own (incomplete, or completed by a
-top-level marker) counts from its directory's change time. Ties go to the order in which the
-directories got their names.
+checkpoints completed: the newest modification time of the directory's commit markers (for a
+marker imported from another node, the one it has there: the manifest's). A checkpoint without
+a marker of its own (incomplete, or completed by a top-level marker) counts from its
+directory's change time. Ties go to the order in which the directories got their names.
 
 Why not simply that order: a checkpoint deleted here that another node's manifest still
 lists (that node keeps more) is imported again under a new name entry, the newest here; it
 would then count as the newest checkpoint, and retention would delete the real newest ones,
-whose files may exist nowhere else. A checkpoint copied in with `cp -a` (old mtimes) counts as
-new: change times cannot be set.
+whose files may exist nowhere else. Modification times, not change times: a `chmod a-w` of an
+old checkpoint must not make it the newest. So a checkpoint copied in with its old times
+(`cp -a`) counts from them, and a `touch` of a marker moves its checkpoint. An incomplete
+checkpoint whose directory changed in the last IN_PROGRESS seconds is never deleted: it may be
+being written, and a marker time from a node whose clock runs ahead could otherwise rank it
+below the cutoff.
 
 Markers need no special drain ordering: the published view is always a prefix of the log, so
 a marker written after its shards can only be published together with or after them.
@@ -47,6 +50,7 @@ DEFAULT_RETAIN = ("step_*", "checkpoint-*", "global_step*")
 DEFAULT_MARKERS = (".metadata", "trainer_state.json", "latest")
 TOP_MARKERS = ("latest", "latest_checkpointed_iteration.txt")
 REWALK = 30.0
+IN_PROGRESS = 600.0  # seconds since its directory last changed: an incomplete one is kept
 NO_CUTOFF = (-1, -1)  # below every checkpoint's order
 
 
@@ -108,6 +112,12 @@ class Retention:
         out.sort(key=lambda c: c.order)
         return out
 
+    def _in_progress(self, c: Checkpoint, now_ns: int) -> bool:
+        if c.complete:
+            return False
+        node = self.ns.index.get_inode(c.ino)
+        return node is not None and now_ns - node.ctime_ns < IN_PROGRESS * 1e9
+
     def _marker_time(self, ino: int) -> int | None:
         """When the checkpoint in directory `ino` was completed: the newest time of its commit
         markers (see the module's docstring), or None if it has none."""
@@ -126,7 +136,7 @@ class Retention:
             if node is None:
                 continue
             origin = idx.origin(child)
-            times.append(origin["mtime_ns"] if origin is not None else node.ctime_ns)
+            times.append(origin["mtime_ns"] if origin is not None else node.mtime_ns)
         return max(times, default=None)
 
     def _segments_of(self, ino: int) -> set[int]:
@@ -167,19 +177,25 @@ class Retention:
                     cutoff = NO_CUTOFF  # keep every older checkpoint, on the cold tier
                 else:
                     cutoff = hot_cutoff
+                now_ns = time.time_ns()
+                kept = []
                 for c in cps:
-                    if c.order < cutoff:
+                    if c.order < cutoff and not self._in_progress(c, now_ns):
                         self._delete(c)
                         deleted.append(c.name)
-                cps = [c for c in cps if c.order >= cutoff]
+                    else:
+                        kept.append(c)
+                cps = kept
                 if self.cfg.cold:
-                    band = [c for c in cps if c.order < hot_cutoff]
+                    band = [c for c in cps
+                            if c.order < hot_cutoff and not self._in_progress(c, now_ns)]
                     self.cold_band = [c.name for c in band]
         evictable: set[int] = set()
         # walking a checkpoint's files costs O(files): only when the set of checkpoints (or
         # their completeness) changed, or every REWALK seconds
-        # (not the times: an incomplete checkpoint's change with every file written into it)
-        shape = tuple((c.name, c.ino, c.complete) for c in cps)
+        # (not an incomplete checkpoint's time: it changes with every file written into it)
+        shape = tuple((c.name, c.ino, c.complete, c.order if c.complete else None)
+                      for c in cps)
         now = time.monotonic()
         if shape == self._shape and now - self._walked < REWALK:
             return {"deleted": deleted, "evictable": evictable, "to_cold": to_cold}

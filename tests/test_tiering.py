@@ -241,25 +241,31 @@ def test_commit_marker_is_never_published_before_its_shards(make_mount, fault: s
     assert len([p for p in view.entries if p.startswith("step_1/__")]) == 8
 
 
-def test_retention_orders_checkpoints_by_completion_and_a_copied_in_one_is_new(
+def test_retention_orders_checkpoints_by_their_markers_mtime_and_keeps_one_being_written(
         make_mount) -> None:
-    """Checkpoints count from when their commit marker was written here (its change time),
-    not from their names or mtimes: step_10 is newer than step_9 whatever the names sort as,
-    and an old checkpoint copied in with its old mtimes (`cp -a`) is the newest one."""
+    """Checkpoints count from their commit marker's modification time: a `chmod a-w` of an
+    old checkpoint (its change time moves) does not make it the newest. An incomplete
+    checkpoint that changed in the last minutes is never deleted, even when a marker from
+    the future (a node whose clock runs ahead) puts it below the cutoff."""
     m = make_mount(extra_args=["--node-id", "n0", "--keep-shared", "2"], segment_size="1M")
     for name in ("step_9", "step_10"):
         write(m.mnt / name / "__0_0.distcp", b"x" * 1000)
         write(m.mnt / name / ".metadata", b"m")
-    old = m.mnt / "tmp-restore"  # not a checkpoint name: retention ignores it meanwhile
-    write(old / "__0_0.distcp", b"y" * 1000)
-    write(old / ".metadata", b"m")
-    for p in (old / "__0_0.distcp", old / ".metadata", old):
-        os.utime(p, ns=(10**18, 10**18))  # 2001
-    os.rename(old, m.mnt / "step_1")
-    wait_for(lambda: sorted(os.listdir(m.mnt)) == ["step_1", "step_10"], 20,
-             "retention to keep step_10 and the copied-in step_1, and delete step_9")
-    time.sleep(2.5)  # another pass changes nothing
-    assert sorted(os.listdir(m.mnt)) == ["step_1", "step_10"]
+    os.chmod(m.mnt / "step_9" / ".metadata", 0o444)
+    write(m.mnt / "step_11" / "__0_0.distcp", b"x" * 1000)
+    write(m.mnt / "step_11" / ".metadata", b"m")
+    wait_for(lambda: sorted(os.listdir(m.mnt)) == ["step_10", "step_11"], 20,
+             "retention to delete step_9, the oldest by its marker's mtime")
+    future = time.time_ns() + 3600 * 10**9
+    os.utime(m.mnt / "step_11" / ".metadata", ns=(future, future))
+    write(m.mnt / "step_12" / "__0_0.distcp", b"x" * 1000)  # being written: no marker yet
+    time.sleep(0.05)
+    write(m.mnt / "step_13" / "__0_0.distcp", b"x" * 1000)
+    write(m.mnt / "step_13" / ".metadata", b"m")
+    # complete, by marker mtime: step_10 < step_13 < step_11 (the future); keep 2 puts the
+    # cutoff at step_13, and step_12 (incomplete, older than step_13) below it
+    res = req(m.mnt, op="gc")
+    assert sorted(os.listdir(m.mnt)) == ["step_11", "step_12", "step_13"], res
 
 
 def test_superseded_checkpoint_is_dropped_from_the_drain(make_mount) -> None:
