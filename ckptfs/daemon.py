@@ -339,7 +339,7 @@ class Daemon:
                                f"directory imports them; mount again once SHARED is readable")
             own = found.get(cfg.node_id)
             if not ident.get("adopted", True) and own is not None and own.cold \
-                    and self.cold is None:
+                    and (self.cold is None or cfg.cold != own.cold):
                 # the imported files would point at objects on a tier this mount cannot
                 # read, and its manifests would lose where they are
                 raise CliError(f"node {cfg.node_id} has checkpoints on the cold tier "

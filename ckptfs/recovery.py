@@ -248,6 +248,16 @@ def reconcile_snapshot(index: Index, seglog: SegmentLog, store: Any, node: str,
     that a snapshot covers). Make the states say what exists, or the drain would upload
     a published segment a second time, or retry forever a segment that is nowhere."""
     shared = getattr(store, "shared", store)  # the shared tier of a Tiered store
+    try:
+        listed = set(shared.list_objects(node))
+        if hasattr(shared, "check"):
+            shared.check()
+    except (OSError, SharedError) as e:
+        # unreachable is not "missing": leave the states as the snapshot has them
+        rep.corruption.append(f"segment states from the index snapshot not checked: the "
+                              f"shared store cannot be read ({e}); replay again once it can")
+        log.error("%s", rep.corruption[-1])
+        return
     local = set(seglog.existing())
     for seg, info in list(index.iter_segments()):
         if seg & VSEG_BIT or info.state not in (SegState.SEALED, SegState.UPLOADING,
@@ -256,10 +266,7 @@ def reconcile_snapshot(index: Index, seglog: SegmentLog, store: Any, node: str,
         here = seg in local
         if info.state == SegState.PUBLISHED and here:
             continue
-        try:
-            there = shared.object_ok(node, seg, info.size)
-        except (OSError, AttributeError):
-            continue  # cannot tell: leave it to the drain
+        there = seg in listed and shared.object_ok(node, seg, info.size)
         name = fmt.segment_name(seg)
         if there:
             index.set_segment(seg, SegState.PUBLISHED if here else SegState.EVICTED)

@@ -543,7 +543,13 @@ def test_a_new_nvme_for_a_node_with_cold_checkpoints_needs_cold(make_mount: Make
     d.shared = m.shared
     with pytest.raises(RuntimeError, match=f"mounted with --cold {cold}"):
         d.start()
-    d.extra_args = [*d.extra_args, "--keep-shared", "1", "--cold", str(cold)]
+    other = tmp_path / "other-cold"
+    other.mkdir()
+    plain = list(d.extra_args)
+    d.extra_args = [*plain, "--keep-shared", "1", "--cold", str(other)]
+    with pytest.raises(RuntimeError, match=f"mounted with --cold {cold}"):
+        d.start()  # a cold tier, but not the one its checkpoints are on
+    d.extra_args = [*plain, "--keep-shared", "1", "--cold", str(cold)]
     d.start()
     assert (d.mnt / "step_1/model.pt").read_bytes() == one
     for _ in range(20):  # every manifest published meanwhile still lists the checkpoints
@@ -611,6 +617,13 @@ def test_a_full_replay_from_an_old_snapshot_finds_segments_published_or_collecte
     wait_published(m.mnt / "f3")
     cli("gc", m.mnt)
     m.unmount()
+    store = m.shared / "ckptfs"
+    store.rename(m.shared / "away")  # unreadable is not "missing": nothing is dropped
+    try:
+        res = cli("replay", m.nvme, check=False)
+        assert res.returncode != 0 and "not checked" in res.stdout + res.stderr, res
+    finally:
+        (m.shared / "away").rename(store)
     res = cli("replay", m.nvme)
     assert "starting from the index snapshot" in res.stdout, res.stdout
     m.start()
