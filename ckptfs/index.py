@@ -572,6 +572,28 @@ class Index:
     def _clear_origin(self, ino: int) -> None:
         self.txn.delete(k_ino(ino), db=self.origins)
 
+    def _take_over(self, ino: int) -> None:
+        """A renamed file, or every file under a renamed directory, is this node's from now
+        on (see _apply_rename)."""
+        node = self.get_inode(ino)
+        if node is None:
+            return
+        if not node.is_dir:
+            self._clear_origin(ino)
+            return
+        stack = [ino]
+        while stack:
+            d = stack.pop()
+            children = [child for _c, _n, child in self.readdir(d, 0)]
+            for child in children:
+                c = self.get_inode(child)
+                if c is None:
+                    continue
+                if c.is_dir:
+                    stack.append(child)
+                else:
+                    self._clear_origin(child)
+
     def _touch_dir(self, ino: int, now: int, nlink_delta: int = 0) -> None:
         d = self.get_inode(ino)
         if d is not None:
@@ -641,8 +663,7 @@ class Index:
                 if (m := self.get_inode(moved)) is not None:
                     m.ctime_ns = now
                     self.put_inode(m)
-                    if not m.is_dir:
-                        self._clear_origin(moved)  # see below
+                    self._take_over(moved)  # see below
             if op != np_ and src_dir != dst_dir:
                 delta = 1 if dst_dir else -1
                 self._touch_dir(op, now, delta)
@@ -666,16 +687,16 @@ class Index:
         if src_ino is not None:
             src_ino.ctime_ns = now
             self.put_inode(src_ino)
-            if not src_dir:
-                # another node's file renamed here is this node's from now on: it publishes
-                # the file under the new name, with extents in the other node's objects. The
-                # other node still publishes the old name, which comes back here at the next
-                # refresh: a rename of another node's file is a copy. Left that node's, the
-                # new name would be in no manifest (`wait` would say published) and be
-                # removed here once that node's next manifest does not list it. (Not for a
-                # hard link or a chmod: the file would stay this node's under its old name
-                # too, and the other node's deletes would no longer reach it.)
-                self._clear_origin(src)
+            # another node's file renamed here (or one under a directory renamed here: HF's
+            # tmp-checkpoint-N -> checkpoint-N, with other nodes' shards in it) is this
+            # node's from now on: it publishes the file under the new name, with extents in
+            # the other node's objects. The other node still publishes the old name, which
+            # comes back here at the next refresh: a rename of another node's file is a copy.
+            # Left that node's, the new name would be in no manifest (`wait` would say
+            # published) and be removed here once that node's next manifest does not list
+            # it. (Not for a hard link or a chmod: the file would stay this node's under its
+            # old name too, and the other node's deletes would no longer reach it.)
+            self._take_over(src)
         if op == np_:
             self._touch_dir(op, now, -1 if dst_was_dir else 0)
         else:

@@ -423,3 +423,28 @@ def test_renaming_another_nodes_file_makes_a_copy_that_is_published(
     assert (a.mnt / "step_1/g").read_bytes() == f  # n0 sees n1's copy
     assert "step_1/k" not in {e["path"] for e in ls_json(a.shared)}
     assert_fsck_clean(a.shared)
+
+
+def test_renaming_a_directory_with_another_nodes_files_keeps_them_under_the_new_name(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """HF's pattern across nodes: every node writes its shards into tmp-checkpoint-5, then
+    node 0 renames it to checkpoint-5. The other node's shards under the renamed directory
+    become node 0's (a copy, as for a renamed file): checkpoint-5 is whole on SHARED, in
+    `export`, and on node 0 after the other node publishes again."""
+    a, b = two_nodes(make_mount)
+    mine, theirs = blob("s0", 300_000), blob("s1", 300_000)
+    write_tree(b.mnt, {"tmp-checkpoint-5/shard1": theirs})
+    wait_published(b.mnt)
+    write_tree(a.mnt, {"tmp-checkpoint-5/shard0": mine})
+    status(a, refresh=True)
+    assert (a.mnt / "tmp-checkpoint-5/shard1").read_bytes() == theirs
+    write_tree(a.mnt, {"tmp-checkpoint-5/trainer_state.json": b"{}"})
+    os.rename(a.mnt / "tmp-checkpoint-5", a.mnt / "checkpoint-5")
+    wait_published(a.mnt / "checkpoint-5")
+    want = {"shard0": mine, "shard1": theirs, "trainer_state.json": b"{}"}
+    assert export_files(a.shared, "checkpoint-5", tmp_path / "out") == want
+    write_tree(b.mnt, {"other": b"n1 publishes again"})
+    wait_published(b.mnt / "other")
+    status(a, refresh=True)
+    assert {p.name: p.read_bytes() for p in (a.mnt / "checkpoint-5").iterdir()} == want
+    assert_fsck_clean(a.shared)
