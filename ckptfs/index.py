@@ -575,6 +575,8 @@ class Index:
     def _take_over(self, ino: int) -> None:
         """A renamed file, or every file under a renamed directory, is this node's from now
         on (see _apply_rename)."""
+        if not self.txn.stat(self.origins)["entries"]:
+            return  # nothing imported: nothing to walk (a renamed checkpoint of 10k files)
         node = self.get_inode(ino)
         if node is None:
             return

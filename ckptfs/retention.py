@@ -130,14 +130,9 @@ class Retention:
         if globs:
             found += [child for _c, name, child in idx.readdir(ino, 0)
                       if self._matches(os.fsdecode(name), globs)]
-        times = []
-        for child in found:
-            node = idx.get_inode(child)
-            if node is None:
-                continue
-            origin = idx.origin(child)
-            times.append(origin["mtime_ns"] if origin is not None else node.mtime_ns)
-        return max(times, default=None)
+        # an imported marker has the mtime it has on the node that wrote it (IMPORT sets it)
+        return max((node.mtime_ns for child in found
+                    if (node := idx.get_inode(child)) is not None), default=None)
 
     def _segments_of(self, ino: int) -> set[int]:
         idx = self.ns.index

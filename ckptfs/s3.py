@@ -26,7 +26,7 @@ import xxhash
 
 from ckptfs import layout
 from ckptfs import segment as fmt
-from ckptfs.shared import MAN_RE, NODE_RE, OBJ_RE, RateLimiter, SharedError
+from ckptfs.shared import MAN_RE, NODE_RE, OBJ_RE, RateLimiter, SharedError, exists_error
 
 log = logging.getLogger(__name__)
 
@@ -195,18 +195,22 @@ class S3Store:
     def object_key(self, node: str, seg: int) -> str:
         return self._key("objects", node, fmt.segment_name(seg))
 
-    def _put_new(self, op: str, fn: Callable[..., Any], **kw: Any) -> Any:
-        """A PUT or multipart completion that never replaces an existing key
-        (FileExistsError), where the server implements If-None-Match."""
-        if self.no_replace:
-            try:
-                return self._call(op, fn, IfNoneMatch="*", **kw)
-            except _Unsupported:
-                self.no_replace = False
-                log.warning("%s does not implement conditional writes (If-None-Match): a "
-                            "published object could be replaced by another NVME directory "
-                            "mounted under the same node id", self.client.meta.endpoint_url)
-        return self._call(op, fn, **kw)
+    def _put_new(self, what: str, node: str, op: str, fn: Callable[..., Any],
+                 **kw: Any) -> Any:
+        """A PUT or multipart completion of `what` that never replaces an existing key
+        (exists_error), where the server implements If-None-Match."""
+        try:
+            if self.no_replace:
+                try:
+                    return self._call(op, fn, IfNoneMatch="*", **kw)
+                except _Unsupported:
+                    self.no_replace = False
+                    log.warning("%s does not implement conditional writes (If-None-Match): a "
+                                "published object could be replaced by another NVME directory "
+                                "mounted under the same node id", self.client.meta.endpoint_url)
+            return self._call(op, fn, **kw)
+        except FileExistsError:
+            raise exists_error(what, node) from None
 
     def put_object(self, node: str, seg: int, src: str, limiter: RateLimiter | None = None,
                    progress: Callable[[int], None] | None = None) -> tuple[int, str]:
@@ -219,12 +223,8 @@ class S3Store:
             if limiter is not None:
                 limiter.take(len(data))
             h.update(data)
-            try:
-                self._put_new("put", self.client.put_object, Key=key, Body=data)
-            except FileExistsError:
-                raise FileExistsError(errno.EEXIST, f"object {node}/{fmt.segment_name(seg)} "
-                                      f"already exists on SHARED: is another NVME directory "
-                                      f"mounted as node {node}?") from None
+            self._put_new(f"object {node}/{fmt.segment_name(seg)}", node, "put",
+                          self.client.put_object, Key=key, Body=data)
             self._count("bytes_uploaded", len(data))
             if progress is not None:
                 progress(len(data))
@@ -255,13 +255,9 @@ class S3Store:
                 for f in futs:
                     f.cancel()
                 concurrent.futures.wait(futs)
-            try:
-                self._put_new("complete_multipart", self.client.complete_multipart_upload,
-                              Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
-            except FileExistsError:
-                raise FileExistsError(errno.EEXIST, f"object {node}/{fmt.segment_name(seg)} "
-                                      f"already exists on SHARED: is another NVME directory "
-                                      f"mounted as node {node}?") from None
+            self._put_new(f"object {node}/{fmt.segment_name(seg)}", node, "complete_multipart",
+                          self.client.complete_multipart_upload, Key=key, UploadId=upload_id,
+                          MultipartUpload={"Parts": parts})
         except BaseException:
             try:
                 self._call("abort_multipart", self.client.abort_multipart_upload, Key=key,
@@ -296,12 +292,8 @@ class S3Store:
 
     def put_manifest(self, node: str, seq: int, data: bytes) -> str:
         key = self._key("manifests", node, f"{seq:016x}.manifest")
-        try:
-            self._put_new("put", self.client.put_object, Key=key, Body=data)
-        except FileExistsError:
-            raise FileExistsError(errno.EEXIST, f"manifest {node}/{seq:016x} already exists on "
-                                  f"SHARED: is another NVME directory mounted as node "
-                                  f"{node}?") from None
+        self._put_new(f"manifest {node}/{seq:016x}", node, "put", self.client.put_object,
+                      Key=key, Body=data)
         return key
 
     def delete_object(self, node: str, seg: int) -> None:

@@ -86,6 +86,12 @@ class RateLimiter:
             raise UploadStopped(errno.ECANCELED, "the daemon is stopping")
 
 
+def exists_error(what: str, node: str) -> FileExistsError:
+    """A published object or manifest is never replaced: the error for a name that exists."""
+    return FileExistsError(errno.EEXIST, f"{what} already exists on SHARED: is another NVME "
+                                         f"directory mounted as node {node}?")
+
+
 class SharedStore:
     """A POSIX directory as the shared tier. Methods block: call them from worker threads."""
 
@@ -278,9 +284,7 @@ class SharedStore:
             ops = layout.rename_noreplace(tmp, dest)  # a published object is never replaced
         except FileExistsError:
             _remove(tmp)
-            raise FileExistsError(errno.EEXIST, f"object {node}/{fmt.segment_name(seg)} "
-                                  f"already exists on SHARED: is another NVME directory "
-                                  f"mounted as node {node}?") from None
+            raise exists_error(f"object {node}/{fmt.segment_name(seg)}", node) from None
         except BaseException:
             _remove(tmp)
             raise
@@ -371,9 +375,7 @@ class SharedStore:
         try:
             ops = layout.publish_bytes(dest, data, replace=False)
         except FileExistsError:
-            raise FileExistsError(errno.EEXIST, f"manifest {node}/{seq:016x} already exists "
-                                  f"on SHARED: is another NVME directory mounted as node "
-                                  f"{node}?") from None
+            raise exists_error(f"manifest {node}/{seq:016x}", node) from None
         except OSError:
             self._known_dirs.clear()
             raise
