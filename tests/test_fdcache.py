@@ -31,6 +31,37 @@ def run_threads(fn, n: int) -> None:
         t.join()
 
 
+def random_reads(read, content: dict[int, bytes], size: int, between=None) -> int:
+    """8 threads x 1,500 reads of 512 bytes at random places of random objects of `content`
+    (ids 1-40) through read(id, offset), which returns the bytes or None (gone); thread 0
+    calls between(rnd) every 100 reads. Asserts that no read raised and that every read got
+    its object's bytes; returns how many found theirs gone."""
+    wrong: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
+    gone = [0]
+
+    def work(k: int) -> None:
+        rnd = random.Random(k)
+        try:
+            for i in range(1500):
+                seg = rnd.randrange(1, 41)
+                if between is not None and k == 0 and i % 100 == 99:
+                    between(rnd)
+                off = rnd.randrange(0, size - 512)
+                got = read(seg, off)
+                if got is None:
+                    gone[0] += 1
+                elif got != content[seg][off:off + 512]:
+                    wrong.append((seg, off))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    run_threads(work, 8)
+    assert not errors, errors[:3]
+    assert not wrong, f"{len(wrong)} reads returned another object's bytes: {wrong[:5]}"
+    return gone[0]
+
+
 def opener(path: Path):
     return lambda: os.open(path, os.O_RDONLY)
 
@@ -80,23 +111,8 @@ def test_threads_reading_many_objects_through_few_descriptors_get_their_bytes(
         path.parent.mkdir(parents=True, exist_ok=True)
         content[seg] = random.Random(seg).randbytes(size)
         path.write_bytes(content[seg])
-    wrong: list[tuple[int, int]] = []
-    errors: list[BaseException] = []
-
-    def reader(k: int) -> None:
-        rnd = random.Random(k)
-        try:
-            for _ in range(1500):
-                seg = rnd.randrange(1, 41)
-                off = rnd.randrange(0, size - 512)
-                if store.read_range("n0", seg, off, 512) != content[seg][off:off + 512]:
-                    wrong.append((seg, off))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    run_threads(reader, 8)
-    assert not errors, errors[:3]
-    assert not wrong, f"{len(wrong)} reads returned another object's bytes: {wrong[:5]}"
+    assert random_reads(lambda seg, off: store.read_range("n0", seg, off, 512), content,
+                        size) == 0
     assert len(store._read_fds) <= 3
     store.close()
     open_objects = [fd for fd in os.listdir("/proc/self/fd")
@@ -130,33 +146,17 @@ def test_threads_reading_many_local_segments_through_few_descriptors_get_their_b
         content[seg] = random.Random(seg).randbytes(size)
         (tmp_path / f"{seg}.seg").write_bytes(content[seg])
     reader = Reader(lambda seg: str(tmp_path / f"{seg}.seg"), max_fds=3)
-    wrong: list[tuple[int, int]] = []
-    errors: list[BaseException] = []
-    gone = 0
 
-    def work(k: int) -> None:
-        nonlocal gone
-        rnd = random.Random(k)
+    def read(seg: int, off: int) -> bytes | None:
         try:
-            for i in range(1500):
-                seg = rnd.randrange(1, 41)
-                if k == 0 and i % 100 == 99:
-                    reader.forget(rnd.randrange(1, 41))  # evicted: its descriptor goes
-                off = rnd.randrange(0, size - 512)
-                try:
-                    got = reader._pread(seg, 512, off)
-                except FsError:  # evicted, and no shared store here
-                    gone += 1
-                    continue
-                if got != content[seg][off:off + 512]:
-                    wrong.append((seg, off))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+            return reader._pread(seg, 512, off)
+        except FsError:  # evicted, and no shared store here
+            return None
 
-    run_threads(work, 8)
-    assert not errors, errors[:3]
-    assert not wrong, f"{len(wrong)} reads returned another segment's bytes: {wrong[:5]}"
-    assert gone > 0 and reader.evicted
+    def evict(rnd: random.Random) -> None:
+        reader.forget(rnd.randrange(1, 41))  # its descriptor goes
+
+    assert random_reads(read, content, size, evict) > 0 and reader.evicted
     reader.close()
     assert not any((t := target(int(fd))) and t.startswith(str(tmp_path))
                    for fd in os.listdir("/proc/self/fd"))
