@@ -243,7 +243,7 @@ class Reader:
             assert rec is not None  # report=True raises instead
             return rec[start:start + n]
         whole = pread(e.seg, HDR + e.rec_len, e.rec_pos)
-        if not fmt.verify_record(whole):
+        if not fmt.verify_data_record(whole, e.rec_len):
             self._corrupt(e)
         self._remember(e, whole)
         return memoryview(whole)[start:start + n]
@@ -327,7 +327,7 @@ class Reader:
                 break  # the seal table or the footer: no more records
             rtype, rlen = h[0], h[1]
             end = p + HDR + rlen
-            if p == 0 and rlen != e.rec_len:
+            if p == 0 and (rlen != e.rec_len or rtype not in fmt.DATA_TYPES):
                 break
             if end > len(data):
                 if rtype in fmt.DATA_TYPES and p > 0:  # a copy: a view would pin the window
@@ -463,6 +463,6 @@ class Reader:
             for e in run:
                 rel = e.rec_pos - first.rec_pos
                 whole = blob[rel:rel + HDR + e.rec_len]
-                if len(whole) != HDR + e.rec_len or not fmt.verify_record(whole):
+                if len(whole) != HDR + e.rec_len or not fmt.verify_data_record(whole, e.rec_len):
                     continue  # read_extent reads it again alone and reports it
                 self._remember(e, whole)

@@ -191,6 +191,16 @@ def verify_record(buf: bytes | memoryview) -> bool:
                            memoryview(buf)[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + length]) == csum
 
 
+def verify_data_record(buf: bytes | memoryview, length: int) -> bool:
+    """verify_record, for the record an extent names: also a data record of exactly the
+    payload length the index has for it. A valid record of another kind or size at that
+    position (an index that got ahead of its log, a segment file swapped under it) is EIO,
+    not someone else's bytes."""
+    hdr = decode_header(buf)
+    return (hdr is not None and hdr[0] in DATA_TYPES and hdr[1] == length
+            and verify_record(buf))
+
+
 def segment_header(seg_id: int, node_id: str, created_ns: int) -> bytes:
     node = node_id.encode()[:16]
     head = struct.pack("<8sIIQq16s", SEGMENT_MAGIC, SEGMENT_VERSION, 0, seg_id, created_ns, node)

@@ -295,6 +295,39 @@ def test_remote_reads_fetch_windows_verify_each_record_and_never_return_bad_byte
     assert len(obj.reads) == before + 1
 
 
+def test_an_extent_never_reads_a_valid_record_other_than_its_own(tmp_path: Path) -> None:
+    """An index that got ahead of its log (a device that lost flushed writes, a segment file
+    swapped under it) can name a position where another valid record sits now. A checksum
+    alone vouches for that record, not for the extent: its kind and length must be what the
+    index recorded, or the read is EIO, never someone else's bytes."""
+    from ckptfs.errors import CorruptData
+    from ckptfs.index import Extent
+
+    seg = bytearray(fmt.SEGMENT_HEADER_SIZE)
+    at: dict[str, int] = {}
+    for name, rtype, payload in (("short", RecType.WRITE, b"s" * 4000),
+                                 ("meta", RecType.SETATTR, b"m" * 5000),
+                                 ("own", RecType.WRITE, b"o" * 5000),
+                                 ("tail", RecType.WRITE, b"t" * 3000)):
+        at[name] = len(seg)
+        for part in fmt.encode_record(rtype, 9, 0, 0, len(seg), payload):
+            seg += part
+    path = tmp_path / "7.seg"
+    path.write_bytes(bytes(seg))
+    for where in ("local", "remote"):
+        if where == "local":
+            r = Reader(lambda s: str(path))
+        else:
+            r = Reader(lambda s: "/nonexistent", "n", _Object(bytes(seg)))
+            r.forget(7)
+        own = Extent(0, 7, at["own"], 0, 5000, 5000)
+        assert bytes(r.read([own], 0, 5000, 5000)) == b"o" * 5000
+        for name in ("short", "meta"):  # the index says a 5000-byte WRITE is there
+            with pytest.raises(CorruptData):
+                r.read([Extent(0, 7, at[name], 0, 5000, 5000)], 0, 5000, 5000)
+        assert r.corrupt_reads == 2, where
+
+
 def test_batch_directories_with_overlapping_ranges_resolve_every_object(tmp_path: Path) -> None:
     """Two streams publish interleaved batches (b1-4 holds 1, 3, 4; b2-5 holds 2, 5), a third
     object goes alone: every id resolves to its own bytes, from this store object and from a
