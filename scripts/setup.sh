@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Install everything ckptfs needs on a fresh Debian machine: system packages (pyfuse3 builds
-# from source against libfuse3) and a virtualenv in .venv with ckptfs and its test extras.
+# from source against libfuse3; e2fsprogs makes the power-loss tests' ext4 images) and a
+# virtualenv in .venv with ckptfs and its test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need_apt=0
-for pkg in fuse3 libfuse3-dev pkg-config gcc; do
+for pkg in fuse3 libfuse3-dev pkg-config gcc e2fsprogs; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt=1
 done
 if [ "$need_apt" = 1 ] || [ "${CKPTFS_APT_UPDATE:-0}" = 1 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config gcc >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config gcc e2fsprogs >/dev/null
 fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
