@@ -410,7 +410,7 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
                       seed: int, rounds: int) -> None:
     """Rounds of: mount on the disk the last power loss left, check every directory written so
     far, write with a thread for a random while (the drain publishing small segments at the
-    same time), cut the power."""
+    same time, `evict --all` and `gc --compact` run now and then), cut the power."""
     rnd = random.Random(seed)
     shared = tmp_path / "shared"
     args = ("--segment-size", "4M", "--seal-idle", "0.2")
@@ -429,6 +429,12 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
         writers.append(w)
         t = threading.Thread(target=w.run)
         t.start()
+        # evictions and compactions (whose results are published and whose old objects are
+        # deleted from SHARED at once) while the writer writes, before the power goes
+        chores = rnd.sample([("evict", "--all"), ("gc", "--compact")], rnd.randint(0, 2))
+        for cmd in chores:
+            time.sleep(rnd.uniform(0.1, 0.6))
+            run_cli(cmd[0], cmd[1], m.mnt, timeout=120)  # may fail once the writer stops
         time.sleep(rnd.uniform(0.2, 1.5))
         write_canary(disk)
         m.kill()
