@@ -142,7 +142,12 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             continue
         if seg not in local_set:
             st = index.get_segment(seg)
-            if seg == a_seg and st is not None and a_pos >= st.size:
+            # applied to its end already (a sealed segment's size is known). An index whose
+            # last commit saw this segment still ACTIVE (size 0), committed before it was
+            # sealed, published and evicted (a power loss undoes the commits after that),
+            # still needs its records from `a_pos` on: from the object
+            if (seg == a_seg and st is not None and st.state != SegState.ACTIVE
+                    and st.size and a_pos >= st.size):
                 continue
             start = a_pos if seg == a_seg else fmt.SEGMENT_HEADER_SIZE
             rep.segments_replayed += 1
@@ -159,10 +164,14 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             if sid != seg:
                 raise fmt.CorruptRecord(path, 0, f"header names segment {sid:x}")
         except fmt.CorruptRecord as e:
-            if newest and len(head) < fmt.SEGMENT_HEADER_SIZE:
-                # created but its header never reached the disk: an empty tail
+            if newest and (len(head) < fmt.SEGMENT_HEADER_SIZE or not any(head)):
+                # created but its header never reached the disk: an empty tail. Zeros where
+                # the header should be are the same after a power loss: the file's size
+                # reached the disk (an O_DIRECT record in it, or a journal commit) but the
+                # buffered header did not, so no fsync ever covered this segment (it would
+                # have flushed the header too) and no index commit points into it
                 os.unlink(path)
-                rep.torn_tail = f"{path}: empty segment removed"
+                rep.torn_tail = f"{path}: segment whose header never reached the disk removed"
                 continue
             rep.corruption.append(str(e))
             log.error("%s", e)

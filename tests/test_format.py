@@ -125,6 +125,77 @@ def test_replay_rebuilds_exactly_what_was_applied(tmp_path: Path) -> None:
     close(index2, log2)
 
 
+def test_replay_takes_the_records_of_an_evicted_segment_the_index_saw_active(
+        tmp_path: Path) -> None:
+    """The index's last durable commit saw segment X still active, `applied` inside it; X was
+    then sealed, published and evicted, and a power loss undid the index commits after that
+    (LMDB without metasync keeps all but the last; the eviction's unlink was durable). Replay
+    takes X's records from `applied` on from its object on SHARED. It used to skip X (an
+    active segment's size in the index is 0, so `applied` looked past its end), losing every
+    change in X after that commit."""
+    from ckptfs.shared import SharedStore
+
+    index, log, ns = make(tmp_path, seg_size=1 << 20)
+    a = ns.create(ROOT_INO, b"before", 0o644, 0, 0)
+    ns.write(a.ino, 0, b"a" * 1000)
+    ns.release(a.ino)
+    trio.run(log.sync)
+    index.commit()
+    seg = log.seg_id
+    assert index.applied[0] == seg and index.get_segment(seg).state == SegState.ACTIVE
+    b = ns.create(ROOT_INO, b"after", 0o644, 0, 0)
+    ns.write(b.ino, 0, b"b" * 3000)
+    ns.release(b.ino)
+    ns.rename(ROOT_INO, b"before", ROOT_INO, b"renamed", 0)
+    assert ns.seal("size") == seg
+    trio.run(log.sync)
+    store = SharedStore(str(tmp_path / "shared"))
+    store.put_objects("t0", [(seg, log.path(seg))])
+    os.unlink(log.path(seg))  # evicted
+    log.close()
+    index.close(commit=False)  # the commits since the first are lost
+
+    index2 = Index(str(tmp_path / "index"))
+    log2 = SegmentLog(str(tmp_path / "segments"), "t0", 1 << 20)
+    rep = replay(index2, log2, store=store, node="t0", first_seg=1)
+    assert not rep.corruption, rep.corruption
+    assert rep.segments_replayed == 1
+    ns2 = Namespace(index2, log2, Reader(log2.path, "t0", store))
+    after = index2.lookup(ROOT_INO, b"after")
+    assert after is not None and ns2.read(after, 0, 1 << 20) == b"b" * 3000
+    assert index2.lookup(ROOT_INO, b"before") is None
+    renamed = index2.lookup(ROOT_INO, b"renamed")
+    assert renamed is not None and ns2.read(renamed, 0, 1 << 20) == b"a" * 1000
+    assert index2.get_segment(seg).state == SegState.EVICTED
+    close(index2, log2)
+
+
+def test_a_newest_segment_whose_header_never_reached_the_disk_is_an_empty_tail(
+        tmp_path: Path) -> None:
+    """After a power loss the newest segment can have its size on disk (an O_DIRECT record in
+    it, a journal commit) but zeros where its buffered header was: nothing in it was ever
+    fsync'd. Replay removes it like a segment created with no header at all, instead of
+    reporting corruption and leaving a file no index names."""
+    index, log, ns = make(tmp_path, seg_size=1 << 20)
+    f = ns.create(ROOT_INO, b"kept", 0o644, 0, 0)
+    ns.write(f.ino, 0, b"k" * 1000)
+    ns.release(f.ino)
+    assert ns.seal("size") is not None
+    trio.run(log.sync)
+    g = ns.create(ROOT_INO, b"lost", 0o644, 0, 0)
+    ns.write(g.ino, 0, b"l" * 200_000)
+    trio.run(log.sync)
+    torn = log.path(log.seg_id)
+    close(index, log)
+    with open(torn, "r+b") as fh:
+        fh.write(bytes(fmt.SEGMENT_HEADER_SIZE))
+    index2, log2, _ns2 = reopen(tmp_path, 1 << 20)
+    assert not os.path.exists(torn)
+    assert index2.lookup(ROOT_INO, b"kept") is not None
+    assert index2.lookup(ROOT_INO, b"lost") is None
+    close(index2, log2)
+
+
 def test_extent_map_overwrites_holes_and_truncate(tmp_path: Path) -> None:
     index, log, ns = make(tmp_path)
     f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino

@@ -326,14 +326,35 @@ class Writer:
         self.written: dict[str, bytes] = {}  # every file's last written bytes, durable or not
         self.in_flight: tuple[str, str, str] | None = None  # (op, name, new name) not returned
         self.ops = 0
+        self.go = threading.Event()  # cleared: park between two operations
+        self.go.set()
+        self.parked = threading.Event()
 
     def run(self) -> None:
         try:
             while True:
+                if not self.go.is_set():
+                    self.parked.set()
+                    self.go.wait()
+                    self.parked.clear()
                 self.step()
                 self.ops += 1
         except OSError:
             return  # ENOTCONN / ECONNABORTED: the daemon is gone
+        finally:
+            self.parked.set()
+
+    def waited(self, mnt: Path) -> None:
+        """Park the writer, `ckptfs wait` for its directory, and count everything it wrote as
+        durable: `wait` promises it is published on SHARED, fsync'd or not."""
+        self.go.clear()
+        self.parked.wait(60)
+        try:
+            res = run_cli("wait", self.d, timeout=120)
+            if res.rc == 0:
+                self.durable = dict(self.written)
+        finally:
+            self.go.set()
 
     def step(self) -> None:
         rnd = self.rnd
@@ -407,18 +428,24 @@ class Writer:
 
 
 def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: Path,
-                      seed: int, rounds: int) -> None:
+                      seed: int, rounds: int, shared_too: bool = False) -> None:
     """Rounds of: mount on the disk the last power loss left, check every directory written so
     far, write with a thread for a random while (the drain publishing small segments at the
-    same time, `evict --all` and `gc --compact` run now and then), cut the power."""
+    same time, `evict --all`, `gc --compact` and `wait` run now and then), cut the power: of
+    the node, and with `shared_too` of the shared store at the same instant."""
     rnd = random.Random(seed)
-    shared = tmp_path / "shared"
     args = ("--segment-size", "4M", "--seal-idle", "0.2")
     disk = make_fs(loop_fs, tmp_path, "disk-0")
+    nas = make_fs(loop_fs, tmp_path, "nas-0") if shared_too else None
     writers: list[Writer] = []
     pool: list[bytes] = []
+
+    def shared() -> Path:
+        return nas.mnt / "shared" if nas is not None else tmp_path / "shared"
+
     for r in range(rounds):
-        m = mount_on(make_mount, f"round-{r}", nvme=disk.mnt / "nvme", shared=shared, args=args)
+        m = mount_on(make_mount, f"round-{r}", nvme=disk.mnt / "nvme", shared=shared(),
+                     args=args)
         for i, w in enumerate(writers):
             wrong = w.check(m.mnt / f"w{i}")
             assert not wrong, f"seed {seed}, round {r}, w{i}: " + "; ".join(wrong)
@@ -430,33 +457,49 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
         t = threading.Thread(target=w.run)
         t.start()
         # evictions and compactions (whose results are published and whose old objects are
-        # deleted from SHARED at once) while the writer writes, before the power goes
-        chores = rnd.sample([("evict", "--all"), ("gc", "--compact")], rnd.randint(0, 2))
-        for cmd in chores:
+        # deleted from SHARED at once) and waits while the writer writes, before the power goes
+        chores = rnd.sample(["evict", "gc", "wait"], rnd.randint(0, 3))
+        for chore in chores:
             time.sleep(rnd.uniform(0.1, 0.6))
-            run_cli(cmd[0], cmd[1], m.mnt, timeout=120)  # may fail once the writer stops
+            if chore == "wait":
+                w.waited(m.mnt)
+            else:  # may fail if the writer has stopped (it never should, the mount is alive)
+                run_cli(chore, "--all" if chore == "evict" else "--compact", m.mnt, timeout=120)
         time.sleep(rnd.uniform(0.2, 1.5))
-        write_canary(disk)
+        for fs in (disk, nas):
+            if fs is not None:
+                write_canary(fs)
         m.kill()
         t.join(60)
         assert not t.is_alive(), "writer did not stop on a dead mount"
         m.clean_stale()
-        old = disk
-        disk = crash(loop_fs, disk, tmp_path, f"disk-{r + 1}")
-        old.image.unlink()
-        assert_canary_lost(disk)
-        os.unlink(disk.mnt / "canary") if (disk.mnt / "canary").exists() else None
-    m = mount_on(make_mount, "last", nvme=disk.mnt / "nvme", shared=shared, args=args)
+        disk = power_cycle(loop_fs, disk, tmp_path, f"disk-{r + 1}")
+        if nas is not None:
+            nas = power_cycle(loop_fs, nas, tmp_path, f"nas-{r + 1}")
+    m = mount_on(make_mount, "last", nvme=disk.mnt / "nvme", shared=shared(), args=args)
     for i, w in enumerate(writers):
         wrong = w.check(m.mnt / f"w{i}")
         assert not wrong, f"seed {seed}, last check, w{i}: " + "; ".join(wrong)
     res = run_cli("wait", m.mnt, timeout=300)
     assert res.rc == 0, res
+    m.unmount()
+    res = run_cli("fsck", shared(), "--deep", timeout=300)
+    assert res.rc == 0, res
 
 
+def power_cycle(loop_fs: list[LoopExt4], fs: LoopExt4, tmp_path: Path, name: str) -> LoopExt4:
+    """The power loss of one disk, and its next boot: the copy, checked, the old image gone."""
+    after = crash(loop_fs, fs, tmp_path, name)
+    fs.image.unlink()
+    assert_canary_lost(after)
+    (after.mnt / "canary").unlink(missing_ok=True)
+    return after
+
+
+@pytest.mark.parametrize("shared_too", [False, True], ids=["node", "node-and-store"])
 def test_power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount,
-                           tmp_path: Path) -> None:
-    power_loss_rounds(loop_fs, make_mount, tmp_path, seed=4242, rounds=4)
+                           tmp_path: Path, shared_too: bool) -> None:
+    power_loss_rounds(loop_fs, make_mount, tmp_path, seed=4242, rounds=4, shared_too=shared_too)
 
 
 @pytest.mark.slow
@@ -465,5 +508,6 @@ def test_power_loss_long(loop_fs: list[LoopExt4], make_mount: MakeMount,
                          tmp_path: Path) -> None:
     seed = int(os.environ.get("CKPTFS_POWER_SEED", str(int(time.time()))))
     rounds = int(os.environ.get("CKPTFS_POWER_ROUNDS", "100"))
-    print(f"power loss: seed {seed}, {rounds} rounds")
-    power_loss_rounds(loop_fs, make_mount, tmp_path, seed, rounds)
+    shared_too = os.environ.get("CKPTFS_POWER_SHARED", "1") != "0"
+    print(f"power loss: seed {seed}, {rounds} rounds, shared store too: {shared_too}")
+    power_loss_rounds(loop_fs, make_mount, tmp_path, seed, rounds, shared_too)
