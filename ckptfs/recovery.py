@@ -97,6 +97,35 @@ def _replay_published(index: Index, store: Any, node: str, seg: int, start: int,
         return last_seq
 
 
+def _drop_headerless_tail(seglog: SegmentLog, local: list[int], a_seg: int,
+                          rep: ReplayReport) -> list[int]:
+    """Remove the newest segments whose header never reached the disk; returns the rest.
+
+    A segment's header is a buffered write. After a power loss a new segment can be there with
+    its size (an O_DIRECT record in it, a journal commit of another file) but zeros or nothing
+    where the header was. No fsync covered it: a flush writes every unsynced segment, header
+    included, before it returns, and an index commit flushes the log first, so no commit
+    points into it either. Such segments at the end of the log are its torn tail, like a torn
+    record; a headerless segment with a good one after it is corruption (reported by replay).
+    """
+    cut = len(local)
+    while cut > 0 and local[cut - 1] > a_seg:
+        try:
+            with open(seglog.path(local[cut - 1]), "rb") as f:
+                head = f.read(fmt.SEGMENT_HEADER_SIZE)
+        except OSError:
+            break
+        if len(head) == fmt.SEGMENT_HEADER_SIZE and any(head):
+            break
+        cut -= 1
+    for seg in local[cut:]:
+        path = seglog.path(seg)
+        os.unlink(path)
+        rep.torn_tail = f"{path}: segment whose header never reached the disk removed"
+        log.warning("%s", rep.torn_tail)
+    return local[:cut]
+
+
 def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = None,
            node: str = "", first_seg: int | None = None) -> ReplayReport:
     """Apply the log beyond the index's last commit (or all of it with full=True).
@@ -111,7 +140,8 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
     # the root exists before any record (its owner and mode are a SETATTR record of the
     # first mount), so directories created under it count in its nlink during replay too
     index.ensure_root(0, 0, 0o755, 0)
-    local = seglog.existing()
+    a_seg, a_pos, a_seq = index.applied
+    local = _drop_headerless_tail(seglog, seglog.existing(), a_seg, rep)
     local_set = set(local)
     remote: list[int] = []
     if store is not None and first_seg is not None:
@@ -122,7 +152,6 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             log.warning("cannot list published segments on SHARED: %s", e)
     ids = sorted(local_set | set(remote))
     rep.segments = len(ids)
-    a_seg, a_pos, a_seq = index.applied
     seglog.seq = max(seglog.seq, a_seq)
     if ids:
         # segments are numbered without gaps: one missing from NVMe and from the stores
@@ -164,15 +193,6 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             if sid != seg:
                 raise fmt.CorruptRecord(path, 0, f"header names segment {sid:x}")
         except fmt.CorruptRecord as e:
-            if newest and (len(head) < fmt.SEGMENT_HEADER_SIZE or not any(head)):
-                # created but its header never reached the disk: an empty tail. Zeros where
-                # the header should be are the same after a power loss: the file's size
-                # reached the disk (an O_DIRECT record in it, or a journal commit) but the
-                # buffered header did not, so no fsync ever covered this segment (it would
-                # have flushed the header too) and no index commit points into it
-                os.unlink(path)
-                rep.torn_tail = f"{path}: segment whose header never reached the disk removed"
-                continue
             rep.corruption.append(str(e))
             log.error("%s", e)
             continue

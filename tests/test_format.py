@@ -170,30 +170,52 @@ def test_replay_takes_the_records_of_an_evicted_segment_the_index_saw_active(
     close(index2, log2)
 
 
-def test_a_newest_segment_whose_header_never_reached_the_disk_is_an_empty_tail(
+def test_newest_segments_whose_header_never_reached_the_disk_are_an_empty_tail(
         tmp_path: Path) -> None:
-    """After a power loss the newest segment can have its size on disk (an O_DIRECT record in
-    it, a journal commit) but zeros where its buffered header was: nothing in it was ever
-    fsync'd. Replay removes it like a segment created with no header at all, instead of
-    reporting corruption and leaving a file no index names."""
-    index, log, ns = make(tmp_path, seg_size=1 << 20)
-    f = ns.create(ROOT_INO, b"kept", 0o644, 0, 0)
-    ns.write(f.ino, 0, b"k" * 1000)
-    ns.release(f.ino)
-    assert ns.seal("size") is not None
-    trio.run(log.sync)
-    g = ns.create(ROOT_INO, b"lost", 0o644, 0, 0)
-    ns.write(g.ino, 0, b"l" * 200_000)
-    trio.run(log.sync)
-    torn = log.path(log.seg_id)
-    close(index, log)
-    with open(torn, "r+b") as fh:
-        fh.write(bytes(fmt.SEGMENT_HEADER_SIZE))
-    index2, log2, _ns2 = reopen(tmp_path, 1 << 20)
-    assert not os.path.exists(torn)
+    """After a power loss the newest segments can have their size on disk (an O_DIRECT record
+    in them, a journal commit) but zeros where their buffered header was: nothing in them was
+    ever fsync'd. Replay removes them like a segment created with no header at all, instead of
+    reporting corruption and leaving files no index names. A headerless segment with a good
+    one after it is corruption, and stays."""
+    def build(root: Path) -> tuple[str, str]:
+        index, log, ns = make(root, seg_size=1 << 20)
+        f = ns.create(ROOT_INO, b"kept", 0o644, 0, 0)
+        ns.write(f.ino, 0, b"k" * 1000)
+        ns.release(f.ino)
+        assert ns.seal("size") is not None
+        trio.run(log.sync)
+        paths = []
+        for name in (b"lost1", b"lost2"):
+            g = ns.create(ROOT_INO, name, 0o644, 0, 0)
+            ns.write(g.ino, 0, b"l" * 200_000)
+            paths.append(log.path(log.seg_id))
+            if name == b"lost1":
+                assert ns.seal("size") is not None
+        close(index, log)
+        return paths[0], paths[1]
+
+    def zero_header(path: str) -> None:
+        with open(path, "r+b") as fh:
+            fh.write(bytes(fmt.SEGMENT_HEADER_SIZE))
+
+    b, c = build(tmp_path / "both")
+    zero_header(b)
+    zero_header(c)
+    index2, log2, _ns2 = reopen(tmp_path / "both", 1 << 20)
+    assert not os.path.exists(b) and not os.path.exists(c)
     assert index2.lookup(ROOT_INO, b"kept") is not None
-    assert index2.lookup(ROOT_INO, b"lost") is None
+    assert index2.lookup(ROOT_INO, b"lost1") is None and index2.lookup(ROOT_INO, b"lost2") is None
     close(index2, log2)
+
+    b, c = build(tmp_path / "middle")
+    zero_header(b)
+    shutil.rmtree(tmp_path / "middle" / "index")
+    index3 = Index(str(tmp_path / "middle" / "index"))
+    log3 = SegmentLog(str(tmp_path / "middle" / "segments"), "t0", 1 << 20)
+    rep = replay(index3, log3)
+    assert any("bad magic" in c for c in rep.corruption), rep.corruption
+    assert os.path.exists(b) and os.path.exists(c)
+    close(index3, log3)
 
 
 def test_extent_map_overwrites_holes_and_truncate(tmp_path: Path) -> None:
