@@ -446,7 +446,8 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
     """Rounds of: mount on the disk the last power loss left, check every directory written so
     far, write with a thread for a random while (the drain publishing small segments at the
     same time, `evict --all`, `gc --compact` and `wait` run now and then), cut the power: of
-    the node, and with `shared_too` of the shared store at the same instant."""
+    the node, and with `shared_too` of the shared store at the same instant. Now and then the
+    power goes again right after a mount, while it still publishes what recovery found."""
     rnd = random.Random(seed)
     args = ("--segment-size", "4M", "--seal-idle", "0.2")
     disk = make_fs(loop_fs, tmp_path, "disk-0")
@@ -460,6 +461,15 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
     for r in range(rounds):
         m = mount_on(make_mount, f"round-{r}", nvme=disk.mnt / "nvme", shared=shared(),
                      args=args)
+        if r and rnd.random() < 0.15:
+            # the power goes again while the mount is still publishing what recovery found
+            time.sleep(rnd.uniform(0, 0.3))
+            m.kill()
+            m.clean_stale()
+            disk = power_cycle(loop_fs, disk, tmp_path, f"disk-{r + 1}")
+            if nas is not None:
+                nas = power_cycle(loop_fs, nas, tmp_path, f"nas-{r + 1}")
+            continue
         for i, w in enumerate(writers):
             wrong = w.check(m.mnt / f"w{i}")
             assert not wrong, f"seed {seed}, round {r}, w{i}: " + "; ".join(wrong)
