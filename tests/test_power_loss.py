@@ -470,9 +470,9 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
             if nas is not None:
                 nas = power_cycle(loop_fs, nas, tmp_path, f"nas-{r + 1}")
             continue
-        for i, w in enumerate(writers):
-            wrong = w.check(m.mnt / f"w{i}")
-            assert not wrong, f"seed {seed}, round {r}, w{i}: " + "; ".join(wrong)
+        for w in writers:
+            wrong = w.check(m.mnt / w.d.name)
+            assert not wrong, f"seed {seed}, round {r}, {w.d.name}: " + "; ".join(wrong)
         d = m.mnt / f"w{r}"
         d.mkdir()
         fsync_dir(m.mnt)
@@ -501,9 +501,9 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
         if nas is not None:
             nas = power_cycle(loop_fs, nas, tmp_path, f"nas-{r + 1}")
     m = mount_on(make_mount, "last", nvme=disk.mnt / "nvme", shared=shared(), args=args)
-    for i, w in enumerate(writers):
-        wrong = w.check(m.mnt / f"w{i}")
-        assert not wrong, f"seed {seed}, last check, w{i}: " + "; ".join(wrong)
+    for w in writers:
+        wrong = w.check(m.mnt / w.d.name)
+        assert not wrong, f"seed {seed}, last check, {w.d.name}: " + "; ".join(wrong)
     res = run_cli("wait", m.mnt, timeout=300)
     assert res.rc == 0, res
     m.unmount()
