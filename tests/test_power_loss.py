@@ -36,6 +36,8 @@ import pytest
 import xxhash
 from mounting import MakeMount, Mount, run_cli
 
+from ckptfs.layout import fsync_dir
+
 IMAGE_SIZE = 16 << 30  # sparse: only what ext4 writes takes space (a long run fills gigabytes)
 CANARY = b"written without fsync, must be lost\n" * 4096
 
@@ -125,14 +127,6 @@ def assert_canary_lost(fs: LoopExt4) -> None:
 
 def content(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file(path: Path, data: bytes, *, fsync: bool, chunk: int = 1 << 20) -> None:
