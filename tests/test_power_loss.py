@@ -443,7 +443,7 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
     the node, and with `shared_too` of the shared store at the same instant. Now and then the
     power goes again right after a mount, while it still publishes what recovery found."""
     rnd = random.Random(seed)
-    args = ("--segment-size", "4M", "--seal-idle", "0.2")
+    args = ("--segment-size", os.environ.get("CKPTFS_POWER_SEGMENT", "4M"), "--seal-idle", "0.2")
     disk = make_fs(loop_fs, tmp_path, "disk-0")
     nas = make_fs(loop_fs, tmp_path, "nas-0") if shared_too else None
     writers: list[Writer] = []
