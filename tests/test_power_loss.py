@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from mounting import MakeMount, Mount, run_cli
+from mounting import MakeMount, Mount, run_cli, wait_for
 
 from ckptfs.layout import fsync_dir
 
@@ -73,11 +73,6 @@ class LoopExt4:
             pytest.skip(f"cannot loop-mount an ext4 image: {res.stderr.strip()}")
         self.mounted = True
 
-    def power_loss(self, image: Path, mnt: Path) -> LoopExt4:
-        """Copy the device as it is now (nothing flushed first) and mount the copy."""
-        subprocess.run(["cp", "--sparse=always", str(self.image), str(image)], check=True)
-        return LoopExt4(image, mnt, fresh=False)
-
     def unmount(self) -> None:
         if self.mounted:
             res = subprocess.run(["umount", str(self.mnt)], capture_output=True, check=False)
@@ -104,9 +99,13 @@ def make_fs(made: list[LoopExt4], tmp_path: Path, name: str) -> LoopExt4:
 
 
 def crash(made: list[LoopExt4], fs: LoopExt4, tmp_path: Path, name: str) -> LoopExt4:
-    after = fs.power_loss(tmp_path / f"{name}.img", tmp_path / name)
-    made.append(after)
+    """The power goes: copy the device as it is now (nothing flushed first), take the old
+    filesystem away, and boot the copy (`name`.img) at the same mountpoint."""
+    image = tmp_path / f"{name}.img"
+    subprocess.run(["cp", "--sparse=always", str(fs.image), str(image)], check=True)
     fs.unmount()
+    after = LoopExt4(image, fs.mnt, fresh=False)
+    made.append(after)
     return after
 
 
@@ -436,16 +435,27 @@ class Writer:
 
 
 def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: Path,
-                      seed: int, rounds: int, shared_too: bool = False) -> None:
+                      seed: int, rounds: int, shared_too: bool = False,
+                      tiered: bool = False) -> None:
     """Rounds of: mount on the disk the last power loss left, check every directory written so
     far, write with a thread for a random while (the drain publishing small segments at the
     same time, `evict --all`, `gc --compact` and `wait` run now and then), cut the power: of
     the node, and with `shared_too` of the shared store at the same instant. Now and then the
-    power goes again right after a mount, while it still publishes what recovery found."""
+    power goes again right after a mount, while it still publishes what recovery found.
+
+    `tiered`: each writer's directory is a checkpoint, complete (a DONE marker, fsync'd) once
+    a round has checked it; the newest one stays on NVMe and on SHARED, the older ones move to
+    a cold tier (on the store's disk), and must read back the same from there."""
     rnd = random.Random(seed)
-    args = ("--segment-size", os.environ.get("CKPTFS_POWER_SEGMENT", "4M"), "--seal-idle", "0.2")
+    args: tuple[str, ...] = ("--segment-size", os.environ.get("CKPTFS_POWER_SEGMENT", "4M"),
+                             "--seal-idle", "0.2")
     disk = make_fs(loop_fs, tmp_path, "disk-0")
     nas = make_fs(loop_fs, tmp_path, "nas-0") if shared_too else None
+    if tiered:
+        cold = (nas.mnt if nas is not None else tmp_path) / "cold"
+        cold.mkdir()
+        args += ("--retain", "w*", "--marker", "DONE", "--keep-local", "1", "--keep-shared", "1",
+                 "--cold", str(cold))
     writers: list[Writer] = []
     pool: list[bytes] = []
 
@@ -467,6 +477,9 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
         for w in writers:
             wrong = w.check(m.mnt / w.d.name)
             assert not wrong, f"seed {seed}, round {r}, {w.d.name}: " + "; ".join(wrong)
+            if tiered and "DONE" not in w.durable:
+                write_file(m.mnt / w.d.name / "DONE", b"", fsync=True)
+                w.durable["DONE"] = w.written["DONE"] = b""
         d = m.mnt / f"w{r}"
         d.mkdir()
         fsync_dir(m.mnt)
@@ -500,9 +513,17 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
         assert not wrong, f"seed {seed}, last check, {w.d.name}: " + "; ".join(wrong)
     res = run_cli("wait", m.mnt, timeout=300)
     assert res.rc == 0, res
+    if tiered:
+        wait_for(lambda: any(cold.rglob("*.seg")), 60, "a checkpoint moved to the cold tier")
     m.unmount()
     res = run_cli("fsck", shared(), "--deep", timeout=300)
     assert res.rc == 0, res
+    for w in writers:  # every node reads the same from the stores alone
+        out = tmp_path / "export" / w.d.name
+        res = run_cli("export", shared(), w.d.name, out, timeout=300)
+        assert res.rc == 0, res
+        got = {name: digest((out / name).read_bytes()) for name in os.listdir(out)}
+        assert got == {name: digest(data) for name, data in w.durable.items()}, w.d.name
 
 
 def power_cycle(loop_fs: list[LoopExt4], fs: LoopExt4, tmp_path: Path, name: str) -> LoopExt4:
@@ -514,10 +535,12 @@ def power_cycle(loop_fs: list[LoopExt4], fs: LoopExt4, tmp_path: Path, name: str
     return after
 
 
-@pytest.mark.parametrize("shared_too", [False, True], ids=["node", "node-and-store"])
+@pytest.mark.parametrize(("shared_too", "tiered"), [(False, False), (True, False), (True, True)],
+                         ids=["node", "node-and-store", "node-and-store-tiered"])
 def test_power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount,
-                           tmp_path: Path, shared_too: bool) -> None:
-    power_loss_rounds(loop_fs, make_mount, tmp_path, seed=4242, rounds=4, shared_too=shared_too)
+                           tmp_path: Path, shared_too: bool, tiered: bool) -> None:
+    power_loss_rounds(loop_fs, make_mount, tmp_path, seed=4242, rounds=4, shared_too=shared_too,
+                      tiered=tiered)
 
 
 @pytest.mark.slow
@@ -527,5 +550,7 @@ def test_power_loss_long(loop_fs: list[LoopExt4], make_mount: MakeMount,
     seed = int(os.environ.get("CKPTFS_POWER_SEED", str(int(time.time()))))
     rounds = int(os.environ.get("CKPTFS_POWER_ROUNDS", "100"))
     shared_too = os.environ.get("CKPTFS_POWER_SHARED", "1") != "0"
-    print(f"power loss: seed {seed}, {rounds} rounds, shared store too: {shared_too}")
-    power_loss_rounds(loop_fs, make_mount, tmp_path, seed, rounds, shared_too)
+    tiered = os.environ.get("CKPTFS_POWER_TIERED", "0") != "0"
+    print(f"power loss: seed {seed}, {rounds} rounds, shared store too: {shared_too}, "
+          f"tiered: {tiered}")
+    power_loss_rounds(loop_fs, make_mount, tmp_path, seed, rounds, shared_too, tiered)
