@@ -182,6 +182,12 @@ class Collector:
             self.snapshot_seg = await trio.to_thread.run_sync(self._snapshot_seg)
             self.stats.snapshots += 1
         ripe = [r for r in ripe if r[0] < self.snapshot_seg]
+        if not ripe:
+            return 0
+        # The published view applied these segments, but a power loss can undo its last
+        # commit; it would then apply the segments after it again, without the deleted ones,
+        # and publish manifests that miss their records (a rename or unlink undone on SHARED)
+        await self.drain.in_pub(self.drain.pub.commit_durable)
         for seg, state, size in ripe:
             if state == SegState.COLD and self.cold is not None:
                 await trio.to_thread.run_sync(self.cold.delete_object, self.node, seg)

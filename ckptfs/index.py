@@ -211,6 +211,13 @@ class Index:
         self.txn = self.env.begin(write=True)
         self.dirty = 0
 
+    def commit_durable(self) -> None:
+        """commit(), and make that commit survive a power loss: without metasync LMDB can
+        lose its last commit, which replay normally redoes from the log. Needed before
+        deleting anything only this commit says is no longer needed."""
+        self.commit()
+        self.env.sync(True)
+
     def _load_meta(self) -> None:
         raw = self.txn.get(b"applied", db=self.meta)
         self.applied = APPLIED.unpack(raw) if raw else (0, 0, 0)
