@@ -312,6 +312,68 @@ def test_node_power_loss_after_publishing_loses_nothing_published_and_goes_on(
             assert (out / step / name).read_bytes() == data, f"export of {step}/{name}"
 
 
+def test_gc_after_a_publish_keeps_the_published_namespace_through_a_power_loss(
+        loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: Path) -> None:
+    """A segment holding only a rename and the segment after it are published together, and
+    the published view applies both in one commit, with the manifest. The rename's segment is
+    garbage then (no data): GC deletes it, locally and on SHARED. The power goes. LMDB without
+    metasync loses its last commit, so the view comes back from before the rename and must
+    apply the segments after it again, but one of them is gone. GC makes the view's commit
+    durable before it deletes anything (docs/architecture.md section 8). Without that, the
+    publisher here retried the deleted object forever and `wait` never returned; in the
+    power-loss rounds, where the live index had dropped the segment too, the view skipped it
+    and published manifests with the old name."""
+    nvme_fs = make_fs(loop_fs, tmp_path, "nvme-disk")
+    shared = tmp_path / "shared"
+    args = ("--seal-idle", "0.3", "--gc-grace", "0")
+    m = mount_on(make_mount, "before", nvme=nvme_fs.mnt / "nvme", shared=shared, args=args)
+    d = m.mnt / "ckpt"
+    d.mkdir()
+    want = {"a": content(1, 300_000), "c": content(3, 200_000)}
+    write_file(d / "a.tmp", want["a"], fsync=True)
+    res = run_cli("wait", m.mnt, timeout=120)
+    assert res.rc == 0, res
+    # the store looks unmounted for a while: the next two segments queue up, and go out as
+    # one batch that the view applies in one commit
+    fmt_file = shared / "ckptfs" / "FORMAT"
+    fmt_file.rename(fmt_file.with_name("FORMAT.away"))
+    os.rename(d / "a.tmp", d / "a")
+    fsync_dir(d)
+    time.sleep(1.0)  # sealed when idle
+    write_file(d / "c", want["c"], fsync=True)
+    time.sleep(1.0)
+    fmt_file.with_name("FORMAT.away").rename(fmt_file)
+    res = run_cli("wait", m.mnt, timeout=120)
+    assert res.rc == 0, res
+    res = run_cli("gc", m.mnt, timeout=120)
+    assert res.rc == 0, res
+    assert "; 0 segments freed" not in res.out, res.out  # the rename's segment is gone
+    # an fsync'd append commits ext4's journal: the deletion is durable, the view's commit is
+    # not (its file was not flushed)
+    want["e"] = content(4, 1000)
+    write_file(d / "e", want["e"], fsync=True)
+
+    write_canary(nvme_fs)
+    m.kill()
+    m.clean_stale()
+    after = crash(loop_fs, nvme_fs, tmp_path, "nvme-disk-after")
+    assert_canary_lost(after)
+
+    m2 = mount_on(make_mount, "after", nvme=after.mnt / "nvme", shared=shared, args=args)
+    assert sorted(os.listdir(m2.mnt / "ckpt")) == ["a", "c", "e"]
+    want["b"] = content(2, 5000)
+    write_file(m2.mnt / "ckpt" / "b", want["b"], fsync=False)
+    res = run_cli("wait", m2.mnt, timeout=120)
+    assert res.rc == 0, res
+    m2.unmount()
+    out = tmp_path / "export"
+    res = run_cli("export", shared, "ckpt", out)
+    assert res.rc == 0, res
+    assert sorted(os.listdir(out)) == sorted(want), "the published namespace lost the rename"
+    for name, data in want.items():
+        assert (out / name).read_bytes() == data, name
+
+
 Content = bytes | tuple[int, bytes]  # the bytes, or (length, xxh3_128) once checked
 
 
