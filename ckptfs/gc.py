@@ -30,7 +30,7 @@ import trio
 from ckptfs import layout
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState, read_applied
-from ckptfs.remote import fetch_manifests
+from ckptfs.remote import newest_manifests
 from ckptfs.shared import SharedStore
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ class Collector:
         self.interval = interval
         self.compact_below = compact_below
         self.first_dead: dict[int, float] = {}
+        # node -> (seq of its newest manifest, this node's segment ids that it references)
+        self._refs: dict[str, tuple[int, set[str]]] = {}
         self.cold: Any = None  # the cold tier's store, if any
         self.stats = GcStats()
         self.snapshot_seg = self._snapshot_seg()
@@ -233,21 +235,32 @@ class Collector:
 
     def _referenced_elsewhere(self) -> set[str] | None:
         """Segment ids (hex) of this node that other nodes' manifests reference; None if a
-        manifest could not be read (what it references is unknown: delete nothing)."""
-        out: set[str] = set()
+        manifest could not be read (what it references is unknown: delete nothing).
+
+        Runs every pass on every node, over every node's manifest: a manifest is parsed once
+        per new sequence number and only what it references here is kept, so a pass costs
+        nothing while the others publish nothing, and memory for one manifest at a time."""
         errors: list[str] = []
-        found = fetch_manifests(self.store, {}, errors)
+        seen = {node: seq for node, (seq, _refs) in self._refs.items()}
+        current: set[str] = set()
+        for node, seq, m in newest_manifests(self.store, seen, errors, current):
+            current.add(node)
+            refs: set[str] = set()
+            if node != self.node:
+                for obj in m.objects:
+                    onode, seg = obj.rsplit("/", 1)
+                    if onode == self.node:
+                        refs.add(seg)
+            self._refs[node] = (seq, refs)
+        for node in set(self._refs) - current:  # its manifests are gone
+            del self._refs[node]
         if errors:
             self.skipped = f"another node's manifest is unreadable: {errors[0]}"
             log.warning("gc: skipped, %s", self.skipped)
             return None
-        for node, m in found.items():
-            if node == self.node:
-                continue
-            for obj in m.objects:
-                onode, seg = obj.rsplit("/", 1)
-                if onode == self.node:
-                    out.add(seg)
+        out: set[str] = set()
+        for _seq, refs in self._refs.values():
+            out |= refs
         return out
 
     def compaction_candidates(self) -> list[int]:

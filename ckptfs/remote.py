@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import stat
-from typing import Any
+from typing import Any, Iterator
 
 import trio
 
@@ -36,14 +36,19 @@ from ckptfs.shared import SharedStore
 log = logging.getLogger(__name__)
 
 
-def fetch_manifests(store: SharedStore, seen: dict[str, int],
-                    errors: list[str] | None = None) -> dict[str, manifest.Manifest]:
-    """Newest valid manifest of each node whose newest differs from `seen` (blocking)."""
-    out = {}
+def newest_manifests(store: SharedStore, seen: dict[str, int],
+                     errors: list[str] | None = None, unchanged: set[str] | None = None
+                     ) -> Iterator[tuple[str, int, manifest.Manifest]]:
+    """(node, seq, manifest): the newest valid manifest of each node whose newest differs from
+    `seen`, one at a time (blocking), so a caller that keeps only a summary of each holds one
+    parsed manifest at a time. Nodes whose newest valid one is the one in `seen` are added to
+    `unchanged`."""
     for node in store.nodes():
         seqs = store.list_manifests(node)
         for seq in reversed(seqs):  # newest first; fall back past a corrupt one
             if seen.get(node) == seq:
+                if unchanged is not None:
+                    unchanged.add(node)
                 break
             try:
                 m = manifest.parse(store.get_manifest(node, seq),
@@ -58,9 +63,14 @@ def fetch_manifests(store: SharedStore, seen: dict[str, int],
                 else:
                     log.error("ignoring manifest: %s", msg)
                 continue
-            out[node] = m
+            yield node, seq, m
             break
-    return out
+
+
+def fetch_manifests(store: SharedStore, seen: dict[str, int],
+                    errors: list[str] | None = None) -> dict[str, manifest.Manifest]:
+    """Newest valid manifest of each node whose newest differs from `seen` (blocking)."""
+    return {node: m for node, _seq, m in newest_manifests(store, seen, errors)}
 
 
 def winner(a: tuple[int, str], b: tuple[int, str]) -> bool:

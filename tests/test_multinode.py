@@ -33,6 +33,7 @@ from test_shared_support import (
 )
 
 import ckptfs
+from ckptfs import manifest
 
 # A change published on one node is seen by the other within a few refresh intervals.
 SEEN_WITHIN = 10 * REFRESH + 5
@@ -448,3 +449,47 @@ def test_renaming_a_directory_with_another_nodes_files_keeps_them_under_the_new_
     status(a, refresh=True)
     assert {p.name: p.read_bytes() for p in (a.mnt / "checkpoint-5").iterdir()} == want
     assert_fsck_clean(a.shared)
+
+
+def test_gc_follows_the_other_nodes_newest_manifests(make_mount: MakeMount) -> None:
+    """GC keeps this node's objects that another node's newest manifest names. It parses each
+    node's manifest once per new sequence number and keeps what it referenced: here n0's GC
+    has read n1's manifest before n1 took over n0's file (a rename: a copy whose extents stay
+    in n0's object). n0 then deletes its own name of the file, so nothing of n0's needs the
+    object any more; its GC must read n1's newer manifest and keep the object, which n1 reads.
+    Once n1 deletes its copy too, n0's GC deletes the object."""
+    a = start_node(make_mount, "a", "n0", extra=("--gc-grace", "0"))
+    b = start_node(make_mount, "b", "n1", shared=a.shared)
+    write_tree(b.mnt, {"n1-was-here": b"x"})
+    wait_published(b.mnt)
+    f = blob("f", 3 << 20)
+    write_tree(a.mnt, {"step_1/f": f})
+    wait_published(a.mnt)
+    before = {p.name for p in objects(a.shared, "n0")}
+    write_tree(a.mnt, {"scratch": b"s"})
+    wait_published(a.mnt)
+    os.unlink(a.mnt / "scratch")
+    write_tree(a.mnt, {"scratch2": b"s"})
+    wait_published(a.mnt)
+    # deletes scratch's segment: it read n1's manifest, which names nothing of n0's yet
+    assert "; 0 segments freed" not in cli("gc", a.mnt).stdout
+    status(b, refresh=True)
+    assert wait_for(lambda: readable_everywhere(b, {"step_1/f": f}), SEEN_WITHIN, "n1 sees f")
+    os.rename(b.mnt / "step_1/f", b.mnt / "step_1/g")
+    wait_published(b.mnt)
+    newest = manifest.parse(manifests(a.shared, "n1")[-1].read_bytes())
+    named = {o.rsplit("/", 1)[1] for o in newest.objects if o.startswith("n0/")}
+    assert named, "n1's copy names no object of n0's: the test needs it to"
+    os.unlink(a.mnt / "step_1/f")
+    write_tree(a.mnt, {"later": blob("later", 5000)})
+    wait_published(a.mnt)
+    cli("gc", a.mnt)
+    left = {p.name for p in objects(a.shared, "n0")}
+    assert {f"{s}.seg" for s in named} <= left, "GC deleted an object n1's manifest names"
+    cli("evict", "--all", b.mnt)
+    assert (b.mnt / "step_1/g").read_bytes() == f
+    os.unlink(b.mnt / "step_1/g")
+    wait_published(b.mnt)
+    res = cli("gc", a.mnt)
+    gone = before - {p.name for p in objects(a.shared, "n0")}
+    assert {f"{s}.seg" for s in named} <= gone, (res.stdout, sorted(gone))

@@ -498,7 +498,7 @@ class Writer:
 
 def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: Path,
                       seed: int, rounds: int, shared_too: bool = False,
-                      tiered: bool = False, export_check: bool = False) -> None:
+                      tiered: bool = False) -> None:
     """Rounds of: mount on the disk the last power loss left, check every directory written so
     far, write with a thread for a random while (the drain publishing small segments at the
     same time, `evict --all`, `gc --compact` and `wait` run now and then), cut the power: of
@@ -582,9 +582,8 @@ def power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: 
     assert res.rc == 0, res
     # Every node reads the same from the stores alone. This failed once in a node-only CI run
     # (a published view that lost its last commit re-applied segments without one GC had
-    # deleted; docs/architecture.md sections 8 and 9). Checked in the long run only until long
-    # node-only runs confirm the fix.
-    for w in writers if export_check else []:
+    # deleted; docs/architecture.md sections 8 and 9).
+    for w in writers:
         out = tmp_path / "export" / w.d.name
         res = run_cli("export", shared(), w.d.name, out, timeout=300)
         assert res.rc == 0, res
@@ -619,5 +618,4 @@ def test_power_loss_long(loop_fs: list[LoopExt4], make_mount: MakeMount,
     tiered = os.environ.get("CKPTFS_POWER_TIERED", "0") != "0"
     print(f"power loss: seed {seed}, {rounds} rounds, shared store too: {shared_too}, "
           f"tiered: {tiered}")
-    power_loss_rounds(loop_fs, make_mount, tmp_path, seed, rounds, shared_too, tiered,
-                      export_check=True)
+    power_loss_rounds(loop_fs, make_mount, tmp_path, seed, rounds, shared_too, tiered)
