@@ -493,3 +493,38 @@ def test_gc_follows_the_other_nodes_newest_manifests(make_mount: MakeMount) -> N
     res = cli("gc", a.mnt)
     gone = before - {p.name for p in objects(a.shared, "n0")}
     assert {f"{s}.seg" for s in named} <= gone, (res.stdout, sorted(gone))
+
+
+def test_any_name_linux_allows_is_published_and_exported_byte_for_byte(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """Names are bytes: not valid UTF-8, quotes, backslashes, newlines, control characters.
+    The manifest (JSON) carries them as format.md section 6.2 says, `export` writes the same
+    bytes back, and another node sees them."""
+    a, b = two_nodes(make_mount)
+    names = [b"caf\xe9", b'quote"d', b"back\\slash", b"new\nline", b"tab\there", b"\x01ctl",
+             "ünï ☃".encode(), b"\xff\xfe", b"end\\"]
+    root = os.fsencode(a.mnt / "step_1")
+    os.mkdir(root)
+    want = {}
+    for i, name in enumerate(names):
+        data = blob(f"n{i}", 1000 + i)
+        with open(os.path.join(root, name), "wb") as fh:
+            fh.write(data)
+        want[name] = data
+    os.symlink(b'target "with\\ odd\xe9 bytes', os.path.join(root, b"link\xe9"))
+    wait_published(a.mnt)
+    out = tmp_path / "out"
+    res = cli("export", a.shared, "step_1", out)
+    assert res.returncode == 0, res
+    got = {n: Path(os.fsdecode(os.path.join(os.fsencode(out), n))).read_bytes()
+           for n in os.listdir(os.fsencode(out)) if n != b"link\xe9"}
+    assert got == want
+    assert os.readlink(os.path.join(os.fsencode(out), b"link\xe9")) == \
+        b'target "with\\ odd\xe9 bytes'
+    status(b, refresh=True)
+    broot = os.fsencode(b.mnt / "step_1")
+    assert wait_for(lambda: os.path.isdir(broot) and set(os.listdir(broot)) >= set(names),
+                    SEEN_WITHIN, "n1 sees every name")
+    for name, data in want.items():
+        with open(os.path.join(broot, name), "rb") as fh:
+            assert fh.read() == data, name
