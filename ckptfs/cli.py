@@ -881,7 +881,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="what the daemon is doing")
     s.add_argument("path", metavar="PATH", help="the mount point or any path inside it")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="every counter, as JSON")
     s.add_argument("--watch", action="store_true", help="a live view, updated every second")
     s.add_argument("--interval", type=positive_float, default=1.0, help=argparse.SUPPRESS)
     s.add_argument("--refresh", action="store_true",
@@ -891,7 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("wait", help="block until PATH is published on the shared store")
     w.add_argument("path", metavar="PATH", help="a file or directory inside a ckptfs mount")
     w.add_argument("--timeout", type=positive_float, help="give up after this many seconds")
-    w.add_argument("--quiet", "-q", action="store_true")
+    w.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
     w.add_argument("--all-nodes", nargs="?", type=positive_int, const=-1, default=0, metavar="N",
                    help="also wait until N nodes (default: the mount's --nodes) published "
                         "their parts of the checkpoint and its marker")
@@ -910,8 +910,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", help="what is published on SHARED (no mount needed)")
     ls.add_argument("shared", metavar="SHARED")
-    ls.add_argument("path", metavar="PATH", nargs="?", default="")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("path", metavar="PATH", nargs="?", default="",
+                    help="a published directory (default: the checkpoints table)")
+    ls.add_argument("--json", action="store_true", help="print as JSON")
     ls.add_argument("--files", action="store_true", help="list every published entry")
     ls.add_argument("--nodes", type=int, default=0, metavar="N",
                     help="a checkpoint is complete only when N nodes published parts of it")
@@ -941,16 +942,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--interval", required=True, help="time between checkpoints, e.g. 10m")
     pl.add_argument("--budget", required=True, help="allowed save time, e.g. 30s")
     pl.add_argument("--ranks", type=int, required=True, help="writing processes in total")
-    pl.add_argument("--files-per-rank", type=int, default=1)
-    pl.add_argument("--nodes", type=int, default=1)
-    pl.add_argument("--segment-size", default="256MiB")
-    pl.add_argument("--keep-local", type=int, default=2)
-    pl.add_argument("--keep-shared", type=int, default=5)
+    pl.add_argument("--files-per-rank", type=int, default=1,
+                    help="files each rank writes per checkpoint (default 1)")
+    pl.add_argument("--nodes", type=int, default=1,
+                    help="machines the ranks run on, each with its own NVMe and mount; "
+                         "per-node figures divide by it (default 1)")
+    pl.add_argument("--segment-size", default="256MiB",
+                    help="the mount's --segment-size (default 256MiB)")
+    pl.add_argument("--keep-local", type=int, default=2,
+                    help="checkpoints kept on NVMe (the mount's --keep-local; default 2)")
+    pl.add_argument("--keep-shared", type=int, default=5,
+                    help="checkpoints kept on the shared store (default 5)")
     pl.add_argument("--nas-creates", type=float, help="NAS creates/s (from `ckptfs probe`)")
     pl.add_argument("--nas-bandwidth", help="NAS write bandwidth, e.g. 2GB/s")
     pl.add_argument("--publish-batch", type=int, default=PUBLISH_BATCH, metavar="N",
                     help=f"the mount's --publish-batch (default {PUBLISH_BATCH})")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
 
     pr = sub.add_parser("probe", help="measure a directory's create rate, fsync latency and "
@@ -960,13 +967,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time per measurement (default 2)")
     pr.add_argument("--max-bytes", type=parse_size, default=256 << 20,
                     help="largest file written (default 256M)")
-    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--json", action="store_true", help="print the figures as JSON")
     pr.set_defaults(func=cmd_probe)
 
     f = sub.add_parser("fsck", help="verify published manifests and objects")
     f.add_argument("shared", metavar="SHARED")
     f.add_argument("--deep", action="store_true", help="verify every record's checksum")
-    f.add_argument("--json", action="store_true")
+    f.add_argument("--json", action="store_true", help="machine-readable report")
     f.set_defaults(func=cmd_fsck)
     return p
 
