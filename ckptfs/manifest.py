@@ -25,6 +25,8 @@ import os
 import stat
 import struct
 import zlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -48,6 +50,42 @@ class NotYet(Exception):
     view has not reached yet): no manifest can describe it now."""
 
 
+class Extents(Sequence):
+    """A file's extents, six integers each in one array, the object as an index into the
+    manifest's names; read as lists [file_offset, length, object, record_pos, skip,
+    record_payload_len]."""
+
+    __slots__ = ("_a", "_names")
+
+    def __init__(self, a: array, names: list[str]) -> None:
+        self._a, self._names = a, names
+
+    def __len__(self) -> int:
+        return len(self._a) // 6
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        a, j = self._a, 6 * i
+        return [a[j], a[j + 1], self._names[a[j + 2]], a[j + 3], a[j + 4], a[j + 5]]
+
+    def __iter__(self) -> Iterator[list]:
+        a, names = self._a, self._names
+        for j in range(0, len(a), 6):
+            yield [a[j], a[j + 1], names[a[j + 2]], a[j + 3], a[j + 4], a[j + 5]]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == (list(other) if isinstance(other, Sequence) else other)
+
+    def __repr__(self) -> str:
+        return f"Extents({list(self)!r})"
+
+
 @dataclass
 class Entry:
     path: str
@@ -58,8 +96,8 @@ class Entry:
     size: int
     mtime_ns: int
     target: str = ""
-    # [file_offset, length, object, record_pos, skip, record_payload_len], as decoded
-    extents: list[list] = field(default_factory=list)
+    # [file_offset, length, object, record_pos, skip, record_payload_len] each
+    extents: "Extents" = field(default_factory=lambda: Extents(array("q"), []))
 
 
 @dataclass
@@ -219,6 +257,73 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = LIMIT) -> int:
     return v
 
 
+class _Decoder:
+    """Entries are converted as json decodes them (its object_hook runs on each JSON object
+    once its members are decoded), into Entry objects with compact extents. The decoded body
+    never exists whole: a million extents take ~48 MB, not ~400 MB of Python lists."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []  # object names the extents use, by index
+        self.ids: dict[str, int] = {}
+        self.used_by: list[str] = []  # a path that uses each, for the error message
+
+    def hook(self, d: dict) -> Any:
+        return self.entry(d) if "path" in d else d
+
+    def entry(self, e: dict) -> "Entry":
+        path = _check_path(e.get("path"))
+        t = e.get("type")
+        if t not in ("f", "d", "l"):
+            raise ManifestError(f"{path}: bad type {t!r}")
+        size = _int(e.get("size", 0), f"{path}: size")
+        ent = Entry(path, t, _int(e.get("mode", 0o644), f"{path}: mode", 0, 0o10000),
+                    _int(e.get("uid", 0), "uid", 0, 1 << 32),
+                    _int(e.get("gid", 0), "gid", 0, 1 << 32), size,
+                    _int(e.get("mtime_ns", 0), "mtime", -(1 << 63)))
+        if t == "l":
+            target = e.get("target")
+            if not isinstance(target, str) or not target or len(target) > 4095 \
+                    or "\0" in target:
+                raise ManifestError(f"{path}: bad symlink target")
+            ent.target = target
+        if t != "f":
+            return ent
+        xs = e.get("extents", [])
+        if not isinstance(xs, list):
+            raise ManifestError(f"{path}: bad extents")
+        a = array("q")
+        ids, names = self.ids, self.names
+        last_end = 0
+        for x in xs:
+            if not isinstance(x, list) or len(x) != 6:
+                raise ManifestError(f"{path}: bad extent {x!r}")
+            off, ln, obj, pos, skip, rec_len = x
+            # the common case in one test (a million extents is a TiB of data)
+            if not (type(off) is int and type(ln) is int and type(pos) is int
+                    and type(skip) is int and type(rec_len) is int
+                    and 0 <= off < LIMIT and 1 <= ln < LIMIT and 0 <= skip < LIMIT
+                    and fmt.SEGMENT_HEADER_SIZE <= pos < LIMIT
+                    and 1 <= rec_len <= fmt.MAX_PAYLOAD):
+                _int(off, f"{path}: extent offset")
+                _int(ln, f"{path}: extent length", 1)
+                _int(pos, f"{path}: record position", fmt.SEGMENT_HEADER_SIZE)
+                _int(skip, f"{path}: extent skip")
+                _int(rec_len, f"{path}: record length", 1, fmt.MAX_PAYLOAD + 1)
+            if not isinstance(obj, str):
+                raise ManifestError(f"{path}: bad object name {obj!r}")
+            oid = ids.get(obj)
+            if oid is None:  # checked against the objects table once it is decoded
+                oid = ids[obj] = len(names)
+                names.append(obj)
+                self.used_by.append(path)
+            if off < last_end or off + ln > size or skip + ln > rec_len:
+                raise ManifestError(f"{path}: extent out of range {x!r}")
+            last_end = off + ln
+            a.extend((off, ln, oid, pos, skip, rec_len))
+        ent.extents = Extents(a, names)
+        return ent
+
+
 def parse(data: bytes, where: str = "manifest") -> Manifest:
     """Validate and decode a manifest; ManifestError with one line on anything wrong."""
     try:
@@ -232,7 +337,11 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
         text = d.decompress(raw, MAX_MANIFEST)
         if d.unconsumed_tail:
             raise ManifestError("too large")
-        body = json.loads(text)
+        body_text = text.decode()  # UTF-8 (json.loads would keep the bytes alive meanwhile)
+        del text
+        dec = _Decoder()
+        body = json.loads(body_text, object_hook=dec.hook)
+        del body_text
         if not isinstance(body, dict) or body.get("format") != "ckptfs-manifest":
             raise ManifestError("not a ckptfs manifest body")
         if body.get("version") != 1:
@@ -245,72 +354,26 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
             raise ManifestError("bad objects table")
         for o, info in objects.items():
             _check_obj(o)
-            if isinstance(info, dict) and info.get("tier", "shared") not in ("shared", "cold"):
+            if not isinstance(info, dict):
+                raise ManifestError(f"object {o}: bad entry {info!r}")
+            if info.get("tier", "shared") not in ("shared", "cold"):
                 raise ManifestError(f"object {o}: bad tier {info.get('tier')!r}")
+        for obj, path in zip(dec.names, dec.used_by):
+            if obj not in objects:
+                raise ManifestError(f"{path}: extent names unlisted object {obj!r}")
         cold = body.get("cold", "")
         if not isinstance(cold, str) or len(cold) > 4096 or "\0" in cold:
             raise ManifestError("bad cold tier location")
-        raw_entries = body.get("entries", [])
-        if not isinstance(raw_entries, list):
+        entries = body.get("entries", [])
+        if not isinstance(entries, list):
             raise ManifestError("bad entries")
-        # one str per object, not one per extent (json.loads makes a new one for each)
-        canon = {o: o for o in objects}
-        entries = []
-        seen: set[str] = set()
-        for i in range(len(raw_entries)):
-            # each decoded entry is dropped once converted (its extent lists are kept, not
-            # copied): the decoded body and the result are not both in memory whole
-            e, raw_entries[i] = raw_entries[i], None
-            if not isinstance(e, dict):
+        kinds: dict[str, str] = {}
+        for e in entries:
+            if not isinstance(e, Entry):
                 raise ManifestError("bad entry")
-            path = _check_path(e.get("path"))
-            if path in seen:
-                raise ManifestError(f"duplicate path {path!r}")
-            seen.add(path)
-            t = e.get("type")
-            if t not in ("f", "d", "l"):
-                raise ManifestError(f"{path}: bad type {t!r}")
-            size = _int(e.get("size", 0), f"{path}: size")
-            ent = Entry(path, t, _int(e.get("mode", 0o644), f"{path}: mode", 0, 0o10000),
-                        _int(e.get("uid", 0), "uid", 0, 1 << 32),
-                        _int(e.get("gid", 0), "gid", 0, 1 << 32), size,
-                        _int(e.get("mtime_ns", 0), "mtime", -(1 << 63)))
-            if t == "l":
-                target = e.get("target")
-                if not isinstance(target, str) or not target or len(target) > 4095 \
-                        or "\0" in target:
-                    raise ManifestError(f"{path}: bad symlink target")
-                ent.target = target
-            if t == "f":
-                last_end = 0
-                xs = e.get("extents", [])
-                if not isinstance(xs, list):
-                    raise ManifestError(f"{path}: bad extents")
-                for x in xs:
-                    if not isinstance(x, list) or len(x) != 6:
-                        raise ManifestError(f"{path}: bad extent {x!r}")
-                    off, ln, obj, pos, skip, rec_len = x
-                    # the common case in one test (a million extents is a TiB of data)
-                    if not (type(off) is int and type(ln) is int and type(pos) is int
-                            and type(skip) is int and type(rec_len) is int
-                            and 0 <= off < LIMIT and 1 <= ln < LIMIT and 0 <= skip < LIMIT
-                            and fmt.SEGMENT_HEADER_SIZE <= pos < LIMIT
-                            and 1 <= rec_len <= fmt.MAX_PAYLOAD):
-                        _int(off, f"{path}: extent offset")
-                        _int(ln, f"{path}: extent length", 1)
-                        _int(pos, f"{path}: record position", fmt.SEGMENT_HEADER_SIZE)
-                        _int(skip, f"{path}: extent skip")
-                        _int(rec_len, f"{path}: record length", 1, fmt.MAX_PAYLOAD + 1)
-                    name = canon.get(obj) if isinstance(obj, str) else None
-                    if name is None:  # objects' names were checked above
-                        raise ManifestError(f"{path}: extent names unlisted object {obj!r}")
-                    x[2] = name
-                    if off < last_end or off + ln > size or skip + ln > rec_len:
-                        raise ManifestError(f"{path}: extent out of range {x!r}")
-                    last_end = off + ln
-                ent.extents = xs
-            entries.append(ent)
-        kinds = {e.path: e.type for e in entries}
+            if e.path in kinds:
+                raise ManifestError(f"duplicate path {e.path!r}")
+            kinds[e.path] = e.type
         for e in entries:
             parent = e.path.rsplit("/", 1)[0] if "/" in e.path else ""
             if parent in kinds and kinds[parent] != "d":
@@ -321,7 +384,7 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
                         _int(body.get("created_ns", 0), "created_ns"), objects, entries, cold)
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}") from None
-    except (ValueError, TypeError, zlib.error, struct.error, KeyError) as e:
+    except (ValueError, TypeError, zlib.error, struct.error, KeyError, OverflowError) as e:
         raise ManifestError(f"{where}: malformed ({e})") from None
 
 

@@ -18,6 +18,7 @@ version of this module.
 
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ RECORD_HEADER_SIZE = RECORD_HEADER.size + 8  # 56
 assert RECORD_HEADER_SIZE == 56
 CSUM = struct.Struct("<Q")
 MAX_PAYLOAD = 16 << 20  # a sanity bound for readers; writers never exceed ~1 MiB + names
+# No write reaches past the kernel's largest file offset (MAX_LFS_FILESIZE): a data record
+# header that says otherwise is damaged, and is never applied
+MAX_FILE_SIZE = (1 << 63) - 1
 
 # Footer of a sealed segment: magic, offset of the SEAL record, record count, footer csum.
 FOOTER_MAGIC = b"CKPTEND1"
@@ -340,6 +344,7 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
     res = result if result is not None else ScanResult()
     res.corruption = res.corruption or []
     size = os.path.getsize(path)
+    starts: list[int] | None = None  # the table's record positions, sorted, once needed
     with open(path, "rb", buffering=0) as f:
         pos = start
         res.end = pos
@@ -377,30 +382,54 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                         return
                     pos = nxt
                     continue
+            if table is not None:
+                # A sealed segment: its verified SEAL table says which record starts here and
+                # where it ends, whatever the damaged bytes say (a length field, a magic, the
+                # record after it). A data record keeps its extent, from the table's copy of
+                # its header, so its range reads as EIO and not as a hole of zeros; the scan
+                # goes on at the end of its frame, so the next record is checked, and
+                # reported, on its own.
+                row = table.get(pos)
+                if row is not None:
+                    if row[1] in DATA_TYPES:
+                        res.corruption.append(CorruptRecord(
+                            path, pos, f"{bad} in a data record (its range reads as EIO)"))
+                        res.records += 1
+                        yield Record(row[1], row[3], row[4], row[5], row[6], b"", pos, row[2],
+                                     row[7])
+                    else:
+                        res.corruption.append(CorruptRecord(path, pos, bad))
+                    pos = pos + record_size(row[2])
+                    continue
+                # not a record of the table: a PAD (PADs have no rows); go on at the next
+                # record the table has, if any (after the last, only PADs and the SEAL)
+                if starts is None:
+                    starts = sorted(table)
+                i = bisect.bisect_right(starts, pos)
+                if i < len(starts):
+                    res.corruption.append(CorruptRecord(path, pos, bad or "invalid record"))
+                    pos = starts[i]
+                    continue
             # A bad record: torn tail or corruption? The next record is looked for after
             # this one's frame when its header is whole (its payload may hold anything,
             # records too), else from just after it
             frame = (pos + record_size(hdr[1])
                      if hdr is not None and bad != "record runs past end of segment" else None)
             nxt_valid = _find_next_valid(f, frame - 8 if frame else pos, size, path, table)
-            if bad == "checksum mismatch" and hdr is not None and hdr[0] in DATA_TYPES \
-                    and nxt_valid == pos + record_size(hdr[1]):
-                # a damaged data record whose frame is intact: keep its extent in the index
-                # (trusting the sealed table's copy of the header when there is one) so reads
-                # of exactly that range fail with EIO instead of silently reading a hole
-                row = table.get(pos) if table else None
-                if row is not None:
-                    rtype, length, ino, offset, time_ns, seq, csum = (
-                        row[1], row[2], row[3], row[4], row[5], row[6], row[7])
-                else:
-                    rtype, length, ino, offset, time_ns, seq, csum = hdr
-                if row is not None or table is None:
-                    res.corruption.append(CorruptRecord(
-                        path, pos, "checksum mismatch in a data record (its range reads as EIO)"))
-                    res.records += 1
-                    yield Record(rtype, ino, offset, time_ns, seq, b"", pos, length, csum)
-                    pos = nxt_valid
-                    continue
+            if table is None and bad == "checksum mismatch" and hdr is not None \
+                    and hdr[0] in DATA_TYPES and nxt_valid == pos + record_size(hdr[1]) \
+                    and hdr[3] + hdr[1] <= MAX_FILE_SIZE:
+                # no table (a sealed segment's table was handled above): a damaged data record
+                # whose frame is intact keeps its extent in the index, from its own header,
+                # so reads of exactly that range fail with EIO instead of silently reading a
+                # hole; a header placing it past any possible file end is damaged, not applied
+                rtype, length, ino, offset, time_ns, seq, csum = hdr
+                res.corruption.append(CorruptRecord(
+                    path, pos, "checksum mismatch in a data record (its range reads as EIO)"))
+                res.records += 1
+                yield Record(rtype, ino, offset, time_ns, seq, b"", pos, length, csum)
+                pos = nxt_valid
+                continue
             if nxt_valid is None:
                 # only zeros/garbage after it
                 if newest:

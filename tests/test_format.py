@@ -300,6 +300,60 @@ def test_manifest_roundtrip_and_hostile_input(tmp_path: Path) -> None:
     close(index, log)
 
 
+def test_manifest_extents_round_trip_compact_and_are_checked_against_the_objects_table(
+        tmp_path: Path) -> None:
+    """build streams what parse reads back: every extent as the index has it, across several
+    segments (the object of each, and where it starts inside a record after an overwrite).
+    parse keeps extents compact (one array per file, object names shared) but they read as
+    the lists the format describes. An extent naming an object the table lacks, and an
+    objects-table entry that is not an object, are refused."""
+    import json
+    import struct
+    import zlib
+
+    import xxhash
+
+    index, log, ns = make(tmp_path, seg_size=1 << 20)
+    d = ns.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+    files = {}
+    for i, size in enumerate((0, 10, 300_000, 2_500_000)):
+        f = ns.create(d.ino, f"f{i}".encode(), 0o644, 0, 0)
+        data = random.Random(i).randbytes(size)
+        for off in range(0, size, 1 << 20):
+            ns.write(f.ino, off, data[off:off + (1 << 20)])
+        ns.release(f.ino)
+        files[f"step_1/f{i}"] = f.ino
+    ns.write(files["step_1/f3"], 100_000, b"x" * 5000)  # an extent starting inside a record
+    data = build(index, "n0", 9, {}, 1)
+    m = parse(data)
+    assert len(m.objects) >= 3, m.objects  # the files span several segments
+    for e in m.files():
+        want = [[x.start, x.length, f"n0/{x.seg:016x}", x.rec_pos, x.skip, x.rec_len]
+                for x in index.iter_extents(files[e.path])]
+        assert list(e.extents) == want, e.path
+        assert len(e.extents) == len(want)
+        if want:
+            assert e.extents[0] == want[0] and e.extents[-1] == want[-1]
+            assert e.extents[1:] == want[1:]
+            assert all(x[2] in m.objects for x in e.extents)
+
+    def forge(body: dict) -> bytes:
+        raw = zlib.compress(json.dumps(body).encode())
+        return b"CKPTMAN1" + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)) + raw
+
+    good = json.loads(zlib.decompress(data[16:]))
+    assert list(good)[-1] == "objects"  # written last: the walk finds them
+    old_order = {k: good[k] for k in good if k != "entries"} | {"entries": good["entries"]}
+    assert parse(forge(old_order)).entries == m.entries  # objects first, as versions before
+    some = next(iter(good["objects"]))
+    with pytest.raises(ManifestError, match="unlisted object"):
+        parse(forge(dict(good, objects={o: i for o, i in good["objects"].items()
+                                         if o != some})))
+    with pytest.raises(ManifestError, match="bad entry"):
+        parse(forge(dict(good, objects=dict(good["objects"], **{some: 5}))))
+    close(index, log)
+
+
 def test_group_commit_shares_flushes(tmp_path: Path) -> None:
     index, log, ns = make(tmp_path, seg_size=64 << 20)
     f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
