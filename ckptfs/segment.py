@@ -393,12 +393,13 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                 if row is not None:
                     if row[1] in DATA_TYPES:
                         res.corruption.append(CorruptRecord(
-                            path, pos, f"{bad} in a data record (its range reads as EIO)"))
+                            path, pos, f"{bad or 'invalid record'} in a data record (its range "
+                            "reads as EIO)"))
                         res.records += 1
                         yield Record(row[1], row[3], row[4], row[5], row[6], b"", pos, row[2],
                                      row[7])
                     else:
-                        res.corruption.append(CorruptRecord(path, pos, bad))
+                        res.corruption.append(CorruptRecord(path, pos, bad or "invalid record"))
                     pos = pos + record_size(row[2])
                     continue
                 # not a record of the table: a PAD (PADs have no rows); go on at the next

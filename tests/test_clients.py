@@ -2,7 +2,8 @@
 
 PyTorch Distributed Checkpoint with 4 gloo ranks (save and async_save; load back, load again
 after the local copies are evicted so reads come from SHARED, load from a second node),
-torch.save / torch.load (also mmap), safetensors, numpy, and the Hugging Face and DeepSpeed
+torch.save / torch.load (also mmap), a training loop resuming from `latest` after the daemon
+was SIGKILLed mid-save, safetensors, numpy, and the Hugging Face and DeepSpeed
 checkpoint layouts reproduced with torch alone (the frameworks themselves are not needed to
 produce their file patterns). Every load is compared tensor by tensor, exactly.
 
@@ -480,6 +481,82 @@ def test_safetensors_save_load(mount: Mount) -> None:
         assert f.metadata() == {"format": "pt"}
         assert set(f.keys()) == set(tensors)
         assert_same(f.get_slice("embed.weight")[100:300], tensors["embed.weight"][100:300])
+
+
+# A training loop that checkpoints every step the way most do: torch.save to a temporary
+# name, rename, then point `latest` at it (tmp + replace). No fsync anywhere. It prints each
+# step once all of that returned.
+TRAINER = r"""
+import os, sys, torch
+root, step = sys.argv[1], int(sys.argv[2])
+
+def state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(512, 1024, generator=g), "step": torch.tensor(step)}
+
+while True:
+    d = os.path.join(root, f"step_{step}")
+    os.makedirs(d, exist_ok=True)
+    torch.save(state(step), os.path.join(d, "model.pt.tmp"))
+    os.rename(os.path.join(d, "model.pt.tmp"), os.path.join(d, "model.pt"))
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(str(step))
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    print(step, flush=True)
+    step += 1
+"""
+
+
+def trainer_state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(512, 1024, generator=g), "step": torch.tensor(step)}
+
+
+def test_training_resumes_from_latest_after_the_daemon_is_killed_mid_save(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """The daemon is SIGKILLed while a real torch training loop checkpoints (2 MiB per step,
+    no fsync). After the remount, `latest` names at least the last step the loop reported
+    (every operation that returned survives), and every `model.pt` there loads to exactly
+    the state of its step: the rename made it whole or not at all. Training resumes from
+    `latest`, three times over."""
+    m = make_mount(segment_size="4M")
+    rnd = random.Random(7)
+    start, done = 1, 0
+    for r in range(3):
+        err = tmp_path / f"trainer-{r}.err"
+        with open(err, "w") as errf, subprocess.Popen(
+                [sys.executable, "-c", TRAINER, str(m.mnt), str(start)],
+                stdout=subprocess.PIPE, stderr=errf, text=True) as proc:
+            try:
+                want = start + rnd.randint(1, 4)
+                reported = start - 1
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    reported = int(line)
+                    if reported >= want:
+                        break
+                assert reported >= want, f"trainer stopped early: {err.read_text()[-2000:]}"
+                m.kill()  # mid-save, as the trainer keeps going
+                proc.wait(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        m.clean_stale()
+        m.start()
+        latest = int((m.mnt / "latest").read_text())
+        assert latest >= reported, f"latest says {latest}, the trainer had reported {reported}"
+        for step in range(1, latest + 2):
+            path = m.mnt / f"step_{step}" / "model.pt"
+            if step <= latest:
+                assert path.exists(), f"step_{step}/model.pt was renamed into place, then lost"
+            if path.exists():
+                got = torch.load(path, weights_only=True)
+                want_state = trainer_state(step)
+                assert torch.equal(got["w"], want_state["w"]) and int(got["step"]) == step, \
+                    f"step_{step}/model.pt loads to other data"
+        done += latest - start + 1
+        start = latest + 1  # resume
+    assert done >= 6
 
 
 def test_numpy_save_load(mount: Mount) -> None:
