@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from ckptfs import segment as fmt
 from ckptfs.index import VSEG_BIT, Index, SegState
 from ckptfs.log import SegmentLog
@@ -68,7 +70,8 @@ def _seal_table(path: str, size: int) -> dict[int, tuple] | None:
     """The record table of a sealed segment by record position (None if not sealed)."""
     try:
         with open(path, "rb") as f:
-            sealed = fmt.SealedSegment(path, size, lambda o, n: os.pread(f.fileno(), n, o))
+            sealed = fmt.SealedSegment(path, size, lambda o, n: os.pread(f.fileno(), n, o),
+                                       header=False)  # checked by the caller
             return {row[0]: row for row in sealed.rows}
     except (OSError, fmt.CorruptRecord):
         return None
@@ -95,6 +98,18 @@ def _replay_published(index: Index, store: Any, node: str, seg: int, start: int,
         rep.corruption.append(f"{name}: cannot replay the published copy: {e}")
         log.error("%s", rep.corruption[-1])
         return last_seq
+
+
+def _records_still_readable(head: bytes) -> bool:
+    """Whether a segment whose header failed its check may still be scanned record by record:
+    not when the header verifies but names another segment or a version this code cannot
+    read (its records are not ours to read), nor when it is short (nothing follows it)."""
+    if len(head) < fmt.SEGMENT_HEADER_SIZE:
+        return False
+    csum = fmt.SEGMENT_HEADER.unpack_from(head)[-1]
+    if xxhash.xxh3_64_intdigest(head[:48]) == csum:
+        return False  # an intact header that is not this segment's, or of a newer version
+    return True  # damaged: its id, version or magic cannot be trusted, its records can
 
 
 def _drop_headerless_tail(seglog: SegmentLog, local: list[int], a_seg: int,
@@ -195,7 +210,11 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
         except fmt.CorruptRecord as e:
             rep.corruption.append(str(e))
             log.error("%s", e)
-            continue
+            if not _records_still_readable(head):
+                continue
+            # Only the header is known to be damaged: each record carries its own checksum,
+            # so the ones that verify are taken (the file's name says which segment this
+            # is). Skipping them would turn the segment's data into holes that read as zeros.
         size = os.path.getsize(path)
         if seg == a_seg and start >= size - fmt.FOOTER_SIZE and _has_footer(path, size):
             # the index already has everything up to the SEAL record of a sealed segment

@@ -468,7 +468,11 @@ class SealedSegment:
     `read(offset, length)` is the only I/O; it is a local pread or a shared-store range read.
     """
 
-    def __init__(self, name: str, size: int, read: "Callable[[int, int], bytes]"):
+    def __init__(self, name: str, size: int, read: "Callable[[int, int], bytes]",
+                 header: bool = True):
+        """`header=False`: the segment header is not checked (replay checks it itself, and
+        reads a segment whose header is damaged through its table: the SEAL record and the
+        footer verify on their own)."""
         self.name = name
         self.size = size
         self._read = read
@@ -480,8 +484,11 @@ class SealedSegment:
         self.seal_pos, self.nrecords = foot
         if self.seal_pos + RECORD_HEADER_SIZE > size - FOOTER_SIZE:
             raise CorruptRecord(name, self.seal_pos, "footer points past the end")
-        self.seg_id, self.created_ns, self.node = parse_segment_header(
-            read(0, SEGMENT_HEADER_SIZE), name)
+        if header:
+            self.seg_id, self.created_ns, self.node = parse_segment_header(
+                read(0, SEGMENT_HEADER_SIZE), name)
+        else:
+            self.seg_id, self.created_ns, self.node = -1, 0, ""
         head = read(self.seal_pos, RECORD_HEADER_SIZE)
         hdr = decode_header(head)
         if hdr is None or hdr[0] != RecType.SEAL:
