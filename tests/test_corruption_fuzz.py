@@ -78,6 +78,7 @@ from typing import Any
 
 import pytest
 from mounting import MakeMount, Mount, run_cli, wait_for
+from test_replay import read_blocks
 
 from ckptfs import segment as fmt
 from ckptfs.index import Index
@@ -559,21 +560,6 @@ def classify(src: Source, damages: list[Damage]) -> Effect:
 
 
 # -- reading the mount back -----------------------------------------------------------------
-
-
-def read_blocks(path: Path, size: int, block: int = BLOCK) -> list[bytes | int]:
-    """Each block's bytes, or the errno its read failed with (as tests/test_replay.py)."""
-    out: list[bytes | int] = []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for off in range(0, size, block):
-            try:
-                out.append(os.pread(fd, block, off))
-            except OSError as e:
-                out.append(e.errno or -1)
-    finally:
-        os.close(fd)
-    return out
 
 
 def walk(mnt: Path) -> tuple[dict[str, tuple[str, str]], list[str]]:
