@@ -512,14 +512,20 @@ class Index:
             # the bytes are those of an earlier record: point there, and count this reference
             # as data of that segment so it stays alive while the reference does
             ext_seg, ext_pos, n = fmt.REF_BODY.unpack_from(rec.payload)
+        grew = False
         if n:
             self._data[ext_seg] = self._data.get(ext_seg, 0) + n
             self._punch(rec.ino, off, off + n)
             self._put_ext(rec.ino, Extent(off, ext_seg, ext_pos, 0, n, n))
             if off + n > ino.size:
                 ino.size = off + n
+                grew = True
         if reloc:
-            return  # compaction moved bytes; nothing about the file changed
+            # compaction moved bytes; nothing about the file changed, unless the write that
+            # put them there was lost (a damaged segment): then they still count for the size
+            if grew:
+                self.put_inode(ino)
+            return
         ino.mtime_ns = ino.ctime_ns = rec.time_ns
         self.put_inode(ino)
 

@@ -243,6 +243,28 @@ def test_extent_map_overwrites_holes_and_truncate(tmp_path: Path) -> None:
     close(index, log)
 
 
+def test_relocated_bytes_past_the_size_count_for_it_without_touching_times(
+        tmp_path: Path) -> None:
+    """A RELOC record (compaction) changes no times. If the write that put its bytes there
+    was lost (a damaged segment), its bytes still count for the file's size, also after a
+    replay: the size is stored, not only computed."""
+    index, log, ns = make(tmp_path)
+    f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+    ns.write(f, 0, b"a" * 100)
+    before = index.get_inode(f)
+    assert before is not None
+    ns.record(RecType.RELOC, f, 100, b"r" * 50)  # bytes whose WRITE the index never saw
+    for _ in range(2):
+        node = index.get_inode(f)
+        assert node is not None and node.size == 150
+        assert (node.mtime_ns, node.ctime_ns) == (before.mtime_ns, before.ctime_ns)
+        assert ns.read(f, 0, 1000) == b"a" * 100 + b"r" * 50
+        trio.run(log.sync)
+        close(index, log)
+        index, log, ns = reopen(tmp_path, 1 << 20)
+    close(index, log)
+
+
 def test_sealed_segment_table_matches_records(tmp_path: Path) -> None:
     index, log, ns = make(tmp_path)
     f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
