@@ -510,7 +510,8 @@ class SegmentLog:
         return self.tail - fmt.SEGMENT_HEADER_SIZE
 
     def should_seal(self) -> bool:
-        return self.fd >= 0 and self.tail >= self.segment_size
+        return self.fd >= 0 and (self.tail >= self.segment_size
+                                 or len(self.rows) >= fmt.MAX_SEAL_ROWS * fmt.SEAL_ROW.size)
 
     def has_records(self) -> bool:
         return self.fd >= 0 and self.tail > fmt.SEGMENT_HEADER_SIZE

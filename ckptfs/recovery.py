@@ -66,12 +66,15 @@ def _has_footer(path: str, size: int) -> bool:
     return foot is not None
 
 
-def _seal_table(path: str, size: int) -> dict[int, tuple] | None:
-    """The record table of a sealed segment by record position (None if not sealed)."""
+def _seal_table(path: str, size: int, newest: bool) -> dict[int, tuple] | None:
+    """The record table of a sealed segment by record position (None if not sealed). Only
+    the newest segment may be unsealed (the active one when the daemon stopped): in an older
+    one a bad footer is damage, and the SEAL record is looked for before it."""
     try:
         with open(path, "rb") as f:
             sealed = fmt.SealedSegment(path, size, lambda o, n: os.pread(f.fileno(), n, o),
-                                       header=False)  # checked by the caller
+                                       header=False,  # checked by the caller
+                                       find_seal=not newest)
             return {row[0]: row for row in sealed.rows}
     except (OSError, fmt.CorruptRecord):
         return None
@@ -240,7 +243,7 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
         last_seq = a_seq
         if index.get_segment(seg) is None:
             index.set_segment(seg, SegState.ACTIVE)
-        table = _seal_table(path, size)
+        table = _seal_table(path, size, newest)
         last = None
         for rec in fmt.scan_segment(path, start, newest, result=scan, table=table):
             index.apply(seg, rec)

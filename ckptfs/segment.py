@@ -41,6 +41,11 @@ RECORD_HEADER_SIZE = RECORD_HEADER.size + 8  # 56
 assert RECORD_HEADER_SIZE == 56
 CSUM = struct.Struct("<Q")
 MAX_PAYLOAD = 16 << 20  # a sanity bound for readers; writers never exceed ~1 MiB + names
+# A segment is sealed once it holds this many records, whatever its size, so that its SEAL
+# record stays under MAX_PAYLOAD (14 MiB of rows) and the active segment's rows in memory
+# stay small. Segments written before this bound may hold a bigger SEAL record: a scan
+# takes a SEAL record of any length that fits in its file.
+MAX_SEAL_ROWS = 1 << 18
 # No write reaches past the kernel's largest file offset (MAX_LFS_FILESIZE): a data record
 # header that says otherwise is damaged, and is never applied
 MAX_FILE_SIZE = (1 << 63) - 1
@@ -315,7 +320,7 @@ def _find_next_valid(f: BinaryIO, start: int, file_size: int, path: str,
                 if table is not None and hdr is not None and pos + j not in table \
                         and hdr[0] not in (RecType.SEAL, RecType.PAD):
                     hdr = None
-                if hdr is not None and hdr[1] <= MAX_PAYLOAD:
+                if hdr is not None and (hdr[1] <= MAX_PAYLOAD or hdr[0] == RecType.SEAL):
                     need = RECORD_HEADER_SIZE + hdr[1]
                     if pos + j + need <= file_size:
                         f.seek(pos + j)
@@ -357,7 +362,8 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                 bad = "short record header"
             elif hdr is None:
                 bad = "bad record magic"
-            elif hdr[1] > MAX_PAYLOAD or pos + RECORD_HEADER_SIZE + hdr[1] > size:
+            elif (hdr[1] > MAX_PAYLOAD and hdr[0] != RecType.SEAL) \
+                    or pos + RECORD_HEADER_SIZE + hdr[1] > size:
                 bad = "record runs past end of segment"
             if bad is None and hdr is not None:
                 rtype, length, ino, offset, time_ns, seq, csum = hdr
@@ -469,16 +475,20 @@ class SealedSegment:
     """
 
     def __init__(self, name: str, size: int, read: "Callable[[int, int], bytes]",
-                 header: bool = True):
+                 header: bool = True, find_seal: bool = False):
         """`header=False`: the segment header is not checked (replay checks it itself, and
         reads a segment whose header is damaged through its table: the SEAL record and the
-        footer verify on their own)."""
+        footer verify on their own). `find_seal`: if the footer is damaged or cut off, look
+        for the SEAL record that ends where the footer starts (replay, which needs the table
+        to tell damaged records apart in a segment that was sealed)."""
         self.name = name
         self.size = size
         self._read = read
         if size < SEGMENT_HEADER_SIZE + RECORD_HEADER_SIZE + FOOTER_SIZE:
             raise CorruptRecord(name, 0, "too small to be a sealed segment")
         foot = parse_footer(read(size - FOOTER_SIZE, FOOTER_SIZE))
+        if foot is None and find_seal:
+            foot = find_seal_record(read, size)
         if foot is None:
             raise CorruptRecord(name, size - FOOTER_SIZE, "missing or bad footer (not sealed)")
         self.seal_pos, self.nrecords = foot
@@ -525,6 +535,35 @@ class SealedSegment:
         """Every record in order; metadata payloads always, data payloads if asked."""
         for row in self.rows:
             yield self.record(row, data_payloads or row[1] not in DATA_TYPES)
+
+
+def find_seal_record(read: "Callable[[int, int], bytes]", size: int,
+                     chunk: int = 4 << 20) -> tuple[int, int] | None:
+    """(position, record count) of the SEAL record of a segment whose footer is damaged or
+    cut off, found from the end backwards: a verified SEAL record ending where its footer
+    starts, or would have (the last FOOTER_SIZE bytes may be gone). None if there is none;
+    the whole file is read backwards then, so this is for damaged segments only."""
+    magic = struct.pack("<I", RECORD_MAGIC)
+    # no SEAL record starts before `floor`: its payload would be over MAX_PAYLOAD
+    floor = max(SEGMENT_HEADER_SIZE, size - FOOTER_SIZE - RECORD_HEADER_SIZE - MAX_PAYLOAD)
+    hi = size  # bytes [lo, hi) are searched next; a header that starts there may run past hi
+    while hi > floor:
+        lo = max(floor, hi - chunk)
+        buf = read(lo, min(hi + RECORD_HEADER_SIZE, size) - lo)
+        j = hi - lo
+        while True:
+            j = buf.rfind(magic, 0, j)
+            if j < 0:
+                break
+            pos = lo + j
+            hdr = decode_header(buf[j:j + RECORD_HEADER_SIZE]) if pos % 8 == 0 else None
+            if hdr is not None and hdr[0] == RecType.SEAL and hdr[1] % SEAL_ROW.size == 0:
+                end = pos + RECORD_HEADER_SIZE + hdr[1]
+                if size - FOOTER_SIZE <= end <= size \
+                        and verify_record(read(pos, RECORD_HEADER_SIZE + hdr[1])):
+                    return pos, hdr[1] // SEAL_ROW.size
+        hi = lo
+    return None
 
 
 def footer(seal_pos: int, nrecords: int) -> bytes:

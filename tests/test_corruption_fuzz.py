@@ -39,9 +39,10 @@ What the promise is taken to allow (the assumptions; `classify` and `check_file`
   metadata record was damaged, the namespace must be exact in mode (b) too.
 - A damaged data record in a sealed segment whose SEAL table is intact is always identified
   by the table, so its range reads as EIO, never as zeros. Zeros, and a size cut short by
-  them, are allowed only for *lost* records: in a segment whose SEAL record or footer is
-  damaged or whose end is cut off, the data records from the first damaged record on (without
-  a table a damaged length field decides where the scan resumes); and all records of the
+  them, are allowed only for *lost* records: in a segment whose SEAL record is damaged or
+  cut off (or, for the newest segment, its footer), the data records from the first damaged
+  record on (without a table a damaged length field decides where the scan resumes); and all
+  records of the
   newest segment when its header is damaged (a header of zeros there is taken for one that
   never reached the disk before a power loss: an empty tail, removed). An older segment whose
   header is damaged is still read record by record, through its table when it has one.
@@ -492,7 +493,8 @@ class Effect:
     risk: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     # ino -> file ranges of data records a full replay cannot identify, so they may become
     # holes (zeros) or fall past a shorter size. In a segment with no trustworthy SEAL table
-    # (SEAL record or footer damaged, end cut off): every data record from the first damaged
+    # (SEAL record damaged or cut off; the newest segment's footer too): every data record
+    # from the first damaged
     # record on, because without a table the scan resumes after a bad record where its
     # (possibly damaged) length says, never inside a frame it cannot trust (format.md 1.4).
     # And every record of the newest segment when its header is damaged (a zeroed header
@@ -517,7 +519,10 @@ def classify(src: Source, damages: list[Damage]) -> Effect:
     for seg, ranges in by_seg.items():
         lay = src.segs[seg]
         seal = lay.recs[-1]
-        table_damaged = any(b > seal.pos for a, b in ranges)  # SEAL record, footer, a cut
+        if lay.newest:  # no footer, no table: it may be the active segment of a crash
+            table_damaged = any(b > seal.pos for a, b in ranges)
+        else:  # a bad footer is looked past (format.md 1.4): the SEAL record must be intact
+            table_damaged = any(a < seal.frame_end and b > seal.pos for a, b in ranges)
         header_of_data = False
         if any(a < 56 for a, b in ranges):  # checksummed header bytes (56..63 are reserved)
             eff.detectable.add(seg)
@@ -816,7 +821,8 @@ def damaged_copy(make_mount: MakeMount, src: Source, name: str, lay: SegLayout,
     return m
 
 
-@pytest.mark.parametrize("how", ["payload-and-next-record", "length-field", "magic"])
+@pytest.mark.parametrize("how", ["payload-and-next-record", "length-field", "magic",
+                                 "length-field-and-footer"])
 def test_damaged_data_record_keeps_its_extent(make_mount: MakeMount, source: Source,
                                               how: str) -> None:
     """A WRITE record in the middle of a file, in a sealed segment whose SEAL table is intact,
@@ -830,7 +836,9 @@ def test_damaged_data_record_keeps_its_extent(make_mount: MakeMount, source: Sou
     assert not lay.newest and rec.length > MiB // 2 and nxt.type != RecType.SEAL, (lay, rec)
     flips = {"payload-and-next-record": [(rec.pos + 56 + 1000, 0x01), (nxt.pos + 20, 0x01)],
              "length-field": [(rec.pos + 11, 0x10)],
-             "magic": [(rec.pos, 0xFF)]}[how]
+             "magic": [(rec.pos, 0xFF)],
+             # the table found by looking for the SEAL record before the damaged footer
+             "length-field-and-footer": [(rec.pos + 11, 0x10), (lay.size - 20, 0x01)]}[how]
     m = damaged_copy(make_mount, source, f"focused-{how}", lay, flips)
     rc, rep, text = replay_report(m)
     assert rc == 1 and lay.name in json.dumps(rep["corruption"]), text
@@ -851,7 +859,7 @@ def test_damaged_data_record_keeps_its_extent(make_mount: MakeMount, source: Sou
 
 def test_damaged_offset_without_a_table_is_not_applied(make_mount: MakeMount,
                                                        source: Source) -> None:
-    """A sealed segment's footer damaged (no SEAL table to trust) and, in it, the top byte of
+    """A sealed segment's SEAL record damaged (no table to trust) and, in it, the top byte of
     a WRITE record's file offset: the record's checksum fails, its frame is intact, and its
     own header is all that says where it goes. Found by the fuzzer: replay applied it at an
     offset near 2^64, the file's size no longer fit in st_size, and every readdir of its
@@ -860,8 +868,10 @@ def test_damaged_offset_without_a_table_is_not_applied(make_mount: MakeMount,
     ent = source.by_path()["big/b3m5"]
     lay, rec = record_holding(source, ent, 3 * MiB // 2)
     assert not lay.newest
-    m = damaged_copy(make_mount, source, "offset", lay,
-                     [(rec.pos + 31, 0xC0), (lay.size - 20, 0x01)])  # offset's top byte, footer
+    seal = lay.recs[-1]
+    assert seal.type == RecType.SEAL
+    m = damaged_copy(make_mount, source, "offset", lay,  # offset's top byte, SEAL's payload
+                     [(rec.pos + 31, 0xC0), (seal.pos + 56 + 3, 0x01)])
     rc, rep, text = replay_report(m)
     assert rc == 1 and lay.name in json.dumps(rep["corruption"]), text
     m.start()

@@ -265,6 +265,39 @@ def test_relocated_bytes_past_the_size_count_for_it_without_touching_times(
     close(index, log)
 
 
+def test_a_segment_is_sealed_at_max_seal_rows_and_bigger_seals_still_replay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small records fill a segment's SEAL table long before its size: a segment is sealed
+    at MAX_SEAL_ROWS records, so its SEAL record stays under MAX_PAYLOAD (a scan took a
+    bigger one for a torn tail, or for damage). A segment sealed before that bound, with a
+    bigger SEAL record, still replays clean."""
+    monkeypatch.setattr(fmt, "MAX_SEAL_ROWS", 300)
+    index, log, ns = make(tmp_path, 1 << 30)
+    for i in range(1000):
+        ns.create(ROOT_INO, b"f%d" % i, 0o644, 0, 0)
+    sealed = [s for s, info in index.iter_segments() if info.state == SegState.SEALED]
+    assert len(sealed) == 3, sealed
+    for seg in sealed:
+        seg_size = os.path.getsize(log.path(seg))
+        with open(log.path(seg), "rb") as f:
+            table = fmt.SealedSegment(str(seg), seg_size,
+                                      lambda o, n: os.pread(f.fileno(), n, o)).rows
+        assert 300 <= len(table) <= 301  # the SEAL itself is not a row; the size check
+    # a segment written without the bound: its SEAL record is over MAX_PAYLOAD
+    monkeypatch.setattr(fmt, "MAX_SEAL_ROWS", 1 << 30)
+    for i in range(1000, 2000):
+        ns.create(ROOT_INO, b"f%d" % i, 0o644, 0, 0)
+    ns.seal("test")
+    ns.create(ROOT_INO, b"last", 0o644, 0, 0)  # so the big one is not the newest
+    trio.run(log.sync)
+    close(index, log)
+    monkeypatch.setattr(fmt, "MAX_PAYLOAD", 32 << 10)
+    index, log, ns = reopen(tmp_path, 1 << 30)  # asserts no corruption
+    assert index.lookup(ROOT_INO, b"f1999") is not None
+    assert index.lookup(ROOT_INO, b"last") is not None
+    close(index, log)
+
+
 def test_sealed_segment_table_matches_records(tmp_path: Path) -> None:
     index, log, ns = make(tmp_path)
     f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
