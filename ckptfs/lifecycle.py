@@ -361,11 +361,37 @@ def _drain_before_umount(mnt: str, timeout: float) -> None:
 
 
 class progress:
-    """A rich progress bar on a terminal, nothing otherwise."""
+    """A rich progress bar on a terminal, nothing otherwise; on a terminal or not, one line
+    when the drain has been failing for a while (`wait` on a full or unreachable store would
+    otherwise block without a word), and one when it works again."""
+
+    notice_after = float(os.environ.get("CKPTFS_WAIT_NOTICE_AFTER", "10"))
 
     def __init__(self, label: str):
         self.label = label
         self.bar: Any = None
+        self.failing_since: float | None = None
+        self.told: str | None = None  # the error last reported
+
+    def _say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def _notice(self, error: str | None) -> None:
+        now = time.monotonic()
+        if not error:
+            if self.told is not None:
+                self._say(f"ckptfs: {self.label}: the drain works again")
+            self.failing_since = self.told = None
+            return
+        if self.failing_since is None:
+            self.failing_since = now
+        if now - self.failing_since >= self.notice_after and error != self.told:
+            self._say(f"ckptfs: {self.label}: still waiting, the drain has been failing for "
+                      f"{now - self.failing_since:.0f} s and retries: {error}")
+            self.told = error
 
     def __enter__(self) -> Callable[[dict], None]:
         if sys.stderr.isatty():
@@ -378,6 +404,8 @@ class progress:
             self.task = self.bar.add_task(self.label, total=None)
 
         def update(info: dict) -> None:
+            if "error" in info:
+                self._notice(info["error"])
             if self.bar is not None:
                 self.bar.update(self.task, total=info.get("total") or None,
                                 completed=info.get("done", 0))

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import random
+import select
 import shutil
 import subprocess
 import time
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mounting import MakeMount, Mount, wait_for
+from mounting import MakeMount, Mount, ckptfs_cmd, wait_for
 from test_shared_support import (
     assert_fsck_clean,
     assert_one_line_error,
@@ -131,44 +132,60 @@ def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path
 
     during = {f"step_2/__{r}_0.distcp": blob(f"d{r}", 2_000_000 + r) for r in range(5)}
     later = {f"step_2/__{r}_1.distcp": blob(f"l{r}", 700_000 + r) for r in range(3)}
-    with FAULTS[fault](m.shared) as why:
-        # training writes keep landing on NVMe, fsync included
-        write_tree(m.mnt, during)
-        fsync_path(m.mnt / "step_2/__0_0.distcp")
-        t0 = time.monotonic()
-        res = cli("wait", m.mnt / "step_2", "--timeout", "3", check=False, timeout=60)
-        took = time.monotonic() - t0
-        line = assert_one_line_error(res, f"wait during a {fault} store")
-        assert "timed out" in line, line
-        assert took < 20, f"wait --timeout 3 took {took:.1f}s"
-        with pytest.raises(TimeoutError):  # the Python API says the same
-            ckptfs.wait(m.mnt / "step_2", timeout=1)
-        st = wait_status(m, lambda s: s["last_error"], 15, "status to report the fault")
-        assert why in st["last_error"], f"last_error {st['last_error']!r} does not say {why!r}"
-        assert st["bytes_pending_upload"] > 0, st
-        write_tree(m.mnt, later)  # still writable after the failed wait
-        assert_tree({**before, **during, **later}, m.mnt, f"the mount during a {fault} store")
-    assert not (m.shared / "ckptfs.recreated").exists(), (
-        "the daemon recreated SHARED/ckptfs while it was gone: "
-        f"{sorted(str(p.relative_to(m.shared)) for p in (m.shared / 'ckptfs.recreated').rglob('*'))}")
-    if fault == "full":
-        assert not (store_root(m.shared) / "objects/n0/filler").exists()
+    with contextlib.ExitStack() as stack:  # the background wait, killed if the test fails
+        with FAULTS[fault](m.shared) as why:
+            # training writes keep landing on NVMe, fsync included
+            write_tree(m.mnt, during)
+            fsync_path(m.mnt / "step_2/__0_0.distcp")
+            t0 = time.monotonic()
+            res = cli("wait", m.mnt / "step_2", "--timeout", "3", check=False, timeout=60)
+            took = time.monotonic() - t0
+            line = assert_one_line_error(res, f"wait during a {fault} store")
+            assert "timed out" in line, line
+            assert took < 20, f"wait --timeout 3 took {took:.1f}s"
+            with pytest.raises(TimeoutError):  # the Python API says the same
+                ckptfs.wait(m.mnt / "step_2", timeout=1)
+            st = wait_status(m, lambda s: s["last_error"], 15, "status to report the fault")
+            assert why in st["last_error"], (
+                f"last_error {st['last_error']!r} does not say {why!r}")
+            assert st["bytes_pending_upload"] > 0, st
+            write_tree(m.mnt, later)  # still writable after the failed wait
+            assert_tree({**before, **during, **later}, m.mnt, f"the mount during a {fault} store")
+            # a wait with no timeout says why it is still waiting, and returns once repaired
+            waiter = stack.enter_context(subprocess.Popen(
+                ckptfs_cmd("wait", m.mnt / "step_2"), stdin=subprocess.DEVNULL, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={**os.environ, "CKPTFS_WAIT_NOTICE_AFTER": "1"}))
+            stack.callback(lambda: waiter.poll() is None and waiter.kill())
+            assert waiter.stderr is not None
+            ready, _, _ = select.select([waiter.stderr], [], [], 30)
+            notice = waiter.stderr.readline() if ready else ""
+            assert "still waiting" in notice and why in notice, (
+                f"wait during a {fault} store printed {notice!r}, not why it is still waiting")
+        recreated = m.shared / "ckptfs.recreated"
+        assert not recreated.exists(), (
+            "the daemon recreated SHARED/ckptfs while it was gone: "
+            f"{sorted(str(p.relative_to(m.shared)) for p in recreated.rglob('*'))}")
+        if fault == "full":
+            assert not (store_root(m.shared) / "objects/n0/filler").exists()
 
-    # repaired: no one asks, the drain finishes by itself
-    log_seq = status(m)["log_seq"]
-    wait_status(m, lambda s: s["last_error"] is None and s["bytes_pending_upload"] == 0
-                and s["published_seq"] >= log_seq, RECOVER_WITHIN,
-                f"the drain to finish by itself after the {fault} store was repaired")
-    wait_published(m.mnt, timeout=30)
-    assert temp_files(m.shared) == [], temp_files(m.shared)
-    assert published_before <= {p.name for p in objects(m.shared, "n0")}
+        # repaired: no one asks, the drain finishes by itself
+        log_seq = status(m)["log_seq"]
+        wait_status(m, lambda s: s["last_error"] is None and s["bytes_pending_upload"] == 0
+                    and s["published_seq"] >= log_seq, RECOVER_WITHIN,
+                    f"the drain to finish by itself after the {fault} store was repaired")
+        out, err = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0 and "published" in out, (waiter.returncode, out, err)
+        wait_published(m.mnt, timeout=30)
+        assert temp_files(m.shared) == [], temp_files(m.shared)
+        assert published_before <= {p.name for p in objects(m.shared, "n0")}
 
-    expected = {**before, **during, **later}
-    got = export_files(m.shared, "step_2", tmp_path / "out2")
-    want = {k.split("/", 1)[1]: v for k, v in expected.items() if k.startswith("step_2/")}
-    assert not tree_diff(want, got), tree_diff(want, got)
-    assert {e["path"] for e in ls_json(m.shared) if e["type"] == "f"} == set(expected)
-    assert_fsck_clean(m.shared)
+        expected = {**before, **during, **later}
+        got = export_files(m.shared, "step_2", tmp_path / "out2")
+        want = {k.split("/", 1)[1]: v for k, v in expected.items() if k.startswith("step_2/")}
+        assert not tree_diff(want, got), tree_diff(want, got)
+        assert {e["path"] for e in ls_json(m.shared) if e["type"] == "f"} == set(expected)
+        assert_fsck_clean(m.shared)
 
 
 def test_mount_comes_up_while_the_store_refuses_its_cleanup(make_mount: MakeMount,
