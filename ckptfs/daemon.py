@@ -324,7 +324,8 @@ class Daemon:
         self.coldtier = ColdTier(self, self.cold, cfg.cold) if self.cold is not None else None
         self.refresher = Refresher(self.ns, self.store, cfg.node_id,
                                    fresh_nvme=not ident.get("adopted", True),
-                                   interval=cfg.refresh_interval)
+                                   interval=cfg.refresh_interval,
+                                   markers=tuple(cfg.retention.markers))
         try:
             errors: list[str] = []
             found = fetch_manifests(self.store, {}, errors)

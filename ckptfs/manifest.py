@@ -86,7 +86,7 @@ class Extents(Sequence):
         return f"Extents({list(self)!r})"
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     path: str
     type: str  # "f", "d", "l"

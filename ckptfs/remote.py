@@ -14,15 +14,24 @@ again on the next refresh. A file imported from node X that X no longer publishe
 Refreshes run at mount, every `interval` seconds, and on `ckptfs status --refresh`. A lookup
 miss does not trigger one: a create storm is a storm of lookup misses, and turning each into
 NAS round trips is what ckptfs exists to avoid.
+
+A refresh while mounted serves other requests between its imports: one manifest of a
+100,000-file checkpoint takes seconds to import, and the mount must not stall meanwhile (a
+training job on this node may be writing its own checkpoint). The files of a manifest
+appear one after the other then; its commit markers (the retention's `markers`, such as
+`.metadata`) are imported last, so a checkpoint whose marker is here has all its files.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import itertools
 import json
 import logging
 import os
 import stat
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import trio
 
@@ -78,10 +87,27 @@ def winner(a: tuple[int, str], b: tuple[int, str]) -> bool:
     return a > b
 
 
+YIELD_AFTER = 0.005  # a refresh gives other requests a turn after this many seconds of work
+
+
+def marker_test(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """Whether a path's last component is a commit marker (glob patterns, as retention's)."""
+    literal = frozenset(p for p in patterns if not any(ch in p for ch in "*?["))
+    globs = tuple(p for p in patterns if p not in literal)
+
+    def is_marker(path: str) -> bool:
+        name = path.rsplit("/", 1)[-1]
+        return name in literal or any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+    return is_marker
+
+
 class Refresher:
     def __init__(self, ns: Namespace, store: SharedStore, node: str, fresh_nvme: bool,
-                 interval: float = 5.0):
+                 interval: float = 5.0, markers: tuple[str, ...] = ()):
         self.ns = ns
+        self.is_marker = marker_test(markers)
+        self._lock = trio.Lock()  # one refresh at a time (the timer's, a status --refresh)
         self.store = store
         self.node = node
         self.fresh_nvme = fresh_nvme  # a new NVME directory for a node that published before
@@ -103,6 +129,10 @@ class Refresher:
                 log.exception("refresh from the shared store failed")
 
     async def refresh(self) -> int:
+        async with self._lock:
+            return await self._refresh()
+
+    async def _refresh(self) -> int:
         errors: list[str] = []
         try:
             found = await trio.to_thread.run_sync(fetch_manifests, self.store, dict(self.seen),
@@ -114,7 +144,17 @@ class Refresher:
             if msg not in self.errors:
                 log.error("ignoring manifest: %s", msg)
         self.errors = errors[-10:]
-        n = self.apply_all(found)
+        n = 0
+        steps = self._apply_all(found)
+        turn = time.monotonic()
+        while True:
+            try:
+                n = next(steps)
+            except StopIteration:
+                break
+            if time.monotonic() - turn >= YIELD_AFTER:
+                await trio.sleep(0)  # serve the requests that queued up meanwhile
+                turn = time.monotonic()
         for ino in self.invalidate:
             try:
                 import pyfuse3
@@ -126,11 +166,21 @@ class Refresher:
         return n
 
     def apply_all(self, found: dict[str, manifest.Manifest], at_mount: bool = False) -> int:
-        """Import other nodes' manifests. Our own is imported only at the first mount of a
-        new NVME directory (the node lost its disk, or moved): its published namespace must
-        not vanish. An NVME directory with a log never imports its own manifest: its log is
-        newer than anything it published."""
+        """Import other nodes' manifests, all at once (at mount, before serving). Our own is
+        imported only at the first mount of a new NVME directory (the node lost its disk,
+        or moved): its published namespace must not vanish. An NVME directory with a log
+        never imports its own manifest: its log is newer than anything it published."""
         n = 0
+        for n in self._apply_all(found, at_mount):
+            pass
+        return n
+
+    def _apply_all(self, found: dict[str, manifest.Manifest],
+                   at_mount: bool = False) -> Iterator[int]:
+        """apply_all one entry at a time: yields the changes so far after each (and once at
+        the end), so that a caller may serve requests in between."""
+        n = 0
+        yield n
         for node, m in sorted(found.items()):
             if m.cold and node not in self.ns.reader.cold_by_node:
                 from ckptfs.shared import open_store
@@ -144,33 +194,50 @@ class Refresher:
                 if at_mount and self.fresh_nvme:
                     log.info("new NVME directory for node %s: importing its published "
                              "namespace (manifest %016x)", node, m.seq)
-                    n += self.apply(node, m)
+                    for changed in self._apply(node, m):
+                        yield n + changed
+                    n += changed
                 self.seen[node] = m.seq
                 continue
             self.deferred = False
-            n += self.apply(node, m)
+            for changed in self._apply(node, m):
+                yield n + changed
+            n += changed
             if not self.deferred:  # a file skipped because it was open: look again next time
                 self.seen[node] = m.seq
-        return n
+        yield n
 
     # --- applying one node's manifest ----------------------------------------------------
 
     def apply(self, node: str, m: manifest.Manifest) -> int:
         changed = 0
+        for changed in self._apply(node, m):
+            pass
+        return changed
+
+    def _apply(self, node: str, m: manifest.Manifest) -> Iterator[int]:
+        """Import one manifest, one entry at a time (yields the changes so far), commit
+        markers last."""
+        changed = 0
         present: set[str] = set()
         self._dir_mtime = {e.path: e.mtime_ns for e in m.entries if e.type == "d"}
-        for e in m.entries:
+        markers = [e for e in m.entries if e.type == "f" and self.is_marker(e.path)]
+        ordered = (e for e in m.entries if not (e.type == "f" and self.is_marker(e.path)))
+        for e in (*ordered, *markers):
             present.add(e.path)
             try:
                 changed += self._apply_entry(node, e)
             except FsError as err:
                 log.warning("cannot import %s from node %s: %s", e.path, node, err)
+            yield changed
         if node != self.node:
-            changed += self._remove_vanished(node, present)
+            for removed in self._remove_vanished(node, present):
+                yield changed + removed
+            changed += removed
         if changed:
             log.info("imported %d changes from node %s (manifest %016x)", changed, node, m.seq)
         self.imported += changed
-        return changed
+        yield changed
 
     def _parent(self, path: str, node_id: str = "", mtime_ns: int = 0) -> tuple[int, bytes]:
         """(parent inode, name) for path, creating missing directories.
@@ -250,25 +317,75 @@ class Refresher:
                 "extents": [list(x) for x in e.extents]}
         self.ns.record(RecType.IMPORT, ino, 0, json.dumps(body, separators=(",", ":")).encode())
 
-    def _remove_vanished(self, node: str, present: set[str]) -> int:
+    def _remove_vanished(self, node: str, present: set[str]) -> Iterator[int]:
+        """Remove the files imported from `node` that its manifest no longer has; yields the
+        count so far, every 1,000 files looked at and at the end."""
         n = 0
-        for path, ino in list(manifest.walk(self.ns.index)):
-            if ino.is_dir or path in present:
-                continue
-            origin = self.ns.index.origin(ino.ino)
+        vanished: list[tuple[str, int]] = []
+        for found in self._walk_files():
+            if found is None:
+                yield n  # between two batches of a directory's entries
+            elif found[0] not in present:
+                vanished.append(found)
+        for path, ino_nr in vanished:
+            yield n
+            origin = self.ns.index.origin(ino_nr)
             if origin is None or origin.get("node") != node:
                 continue
-            if self.ns.opens.get(ino.ino):
+            if self.ns.opens.get(ino_nr):
                 self.deferred = True  # removed once closed: look again next refresh
                 continue
-            parent, name = self._parent(path)
+            where = self._lookup_parent(path)
+            if where is None or self.ns.index.lookup(*where) != ino_nr:
+                continue  # renamed, replaced or removed here meanwhile
+            parent, name = where
             try:
                 self.ns.unlink(parent, name, want_dir=False)
                 n += 1
                 self.removed += 1
             except FsError:
                 pass
-        return n
+        yield n
+
+    def _walk_files(self, batch: int = 1000) -> Iterator[tuple[str, int] | None]:
+        """(path, inode number) of every file, and None between batches of directory
+        entries, where the caller may let other requests run: a commit of the index then
+        closes LMDB cursors, so none is open across a None (each batch is read whole and
+        the next one resumes after its last cookie)."""
+        idx = self.ns.index
+        stack: list[tuple[int, str]] = [(ROOT_INO, "")]
+        while stack:
+            dino, prefix = stack.pop()
+            after = 0
+            while True:
+                entries = idx.readdir(dino, after)
+                try:
+                    chunk = list(itertools.islice(entries, batch))
+                finally:
+                    entries.close()  # its cursor
+                for cookie, name, child in chunk:
+                    after = cookie
+                    node = idx.get_inode(child)
+                    if node is None:
+                        continue
+                    path = prefix + os.fsdecode(name)
+                    if node.is_dir:
+                        stack.append((child, path + "/"))
+                    else:
+                        yield path, child
+                yield None
+                if len(chunk) < batch:
+                    break
+
+    def _lookup_parent(self, path: str) -> tuple[int, bytes] | None:
+        """(parent inode, name) of an existing path, or None."""
+        parts = [os.fsencode(p) for p in path.split("/")]
+        parent: int | None = ROOT_INO
+        for comp in parts[:-1]:
+            parent = self.ns.index.lookup(parent, comp)
+            if parent is None:
+                return None
+        return parent, parts[-1]
 
     def status(self) -> dict[str, Any]:
         return {"nodes_seen": dict(self.seen), "imported": self.imported,
