@@ -243,7 +243,7 @@ class Collector:
         errors: list[str] = []
         seen = {node: seq for node, (seq, _refs) in self._refs.items()}
         current: set[str] = set()
-        for node, seq, m in newest_manifests(self.store, seen, errors, current):
+        for node, seq, m in newest_manifests(self.store, seen, errors, current, entries=False):
             current.add(node)
             refs: set[str] = set()
             if node != self.node:

@@ -46,12 +46,12 @@ log = logging.getLogger(__name__)
 
 
 def newest_manifests(store: SharedStore, seen: dict[str, int],
-                     errors: list[str] | None = None, unchanged: set[str] | None = None
-                     ) -> Iterator[tuple[str, int, manifest.Manifest]]:
+                     errors: list[str] | None = None, unchanged: set[str] | None = None,
+                     entries: bool = True) -> Iterator[tuple[str, int, manifest.Manifest]]:
     """(node, seq, manifest): the newest valid manifest of each node whose newest differs from
     `seen`, one at a time (blocking), so a caller that keeps only a summary of each holds one
     parsed manifest at a time. Nodes whose newest valid one is the one in `seen` are added to
-    `unchanged`."""
+    `unchanged`. `entries=False`: their objects tables only (manifest.parse)."""
     for node in store.nodes():
         seqs = store.list_manifests(node)
         for seq in reversed(seqs):  # newest first; fall back past a corrupt one
@@ -61,7 +61,7 @@ def newest_manifests(store: SharedStore, seen: dict[str, int],
                 break
             try:
                 m = manifest.parse(store.get_manifest(node, seq),
-                                   f"{node}/{seq:016x}.manifest")
+                                   f"{node}/{seq:016x}.manifest", entries)
                 if m.node != node:
                     raise manifest.ManifestError(f"{node}/{seq:016x}.manifest: claims to be "
                                                  f"from node {m.node!r}")

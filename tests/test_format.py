@@ -333,6 +333,10 @@ def test_manifest_roundtrip_and_hostile_input(tmp_path: Path) -> None:
     m = parse(data)
     assert [(e.path, e.type) for e in m.entries] == [("step_1", "d"), ("step_1/a.distcp", "f")]
     assert stat.S_IMODE(m.entries[1].mode) == 0o644
+    # GC's parse: the objects table alone, the same as a full parse's
+    light = parse(data, entries=False)
+    assert light.entries == [] and light.objects == m.objects and m.objects
+    assert (light.node, light.seq) == (m.node, m.seq)
 
     def forge(body: dict) -> bytes:
         raw = zlib.compress(json.dumps(body).encode())
@@ -346,12 +350,15 @@ def test_manifest_roundtrip_and_hostile_input(tmp_path: Path) -> None:
     bad_ext = dict(good["entries"][1], extents=[[0, 500, "n0/0000000000000001", 64, 0, 100]])
     with pytest.raises(ManifestError):
         parse(forge(dict(good, entries=[bad_ext])))
-    with pytest.raises(ManifestError):
-        parse(data[:-3])  # truncated
-    flipped = bytearray(data)
-    flipped[-1] ^= 1
-    with pytest.raises(ManifestError):
-        parse(bytes(flipped))
+    for light_too in (False, True):  # checksum, objects table: checked by both parses
+        with pytest.raises(ManifestError):
+            parse(data[:-3], entries=light_too)  # truncated
+        flipped = bytearray(data)
+        flipped[-1] ^= 1
+        with pytest.raises(ManifestError):
+            parse(bytes(flipped), entries=light_too)
+        with pytest.raises(ManifestError):
+            parse(forge(dict(good, objects={"n0/x": {}})), entries=light_too)
     close(index, log)
 
 
