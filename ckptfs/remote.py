@@ -319,7 +319,8 @@ class Refresher:
 
     def _remove_vanished(self, node: str, present: set[str]) -> Iterator[int]:
         """Remove the files imported from `node` that its manifest no longer has; yields the
-        count so far, every 1,000 files looked at and at the end."""
+        count so far between batches of the walk, after each file it looks at again, and at
+        the end."""
         n = 0
         vanished: list[tuple[str, int]] = []
         for found in self._walk_files():
