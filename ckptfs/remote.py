@@ -88,6 +88,7 @@ def winner(a: tuple[int, str], b: tuple[int, str]) -> bool:
 
 
 YIELD_AFTER = 0.005  # a refresh gives other requests a turn after this many seconds of work
+MOUNT_COMMIT_STEPS = 20_000  # the import at mount commits the index after this many files
 
 
 def marker_test(patterns: tuple[str, ...]) -> Callable[[str], bool]:
@@ -171,8 +172,12 @@ class Refresher:
         or moved): its published namespace must not vanish. An NVME directory with a log
         never imports its own manifest: its log is newer than anything it published."""
         n = 0
-        for n in self._apply_all(found, at_mount):
-            pass
+        for i, n in enumerate(self._apply_all(found, at_mount)):
+            if at_mount and i % MOUNT_COMMIT_STEPS == MOUNT_COMMIT_STEPS - 1:
+                # an LMDB write transaction holds every page it dirtied until it commits:
+                # commit (the log first, write-ahead) every so many files of a big import
+                self.ns.log.sync_now()
+                self.ns.index.commit()
         return n
 
     def _apply_all(self, found: dict[str, manifest.Manifest],

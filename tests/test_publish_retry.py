@@ -119,3 +119,52 @@ def test_a_retried_publish_neither_repeats_records_nor_replaces_a_manifest(
         drain.close()
         log.close()
         index.close()
+
+
+def test_a_view_committed_inside_a_segment_resumes_there_after_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The view commits every VIEW_COMMIT_RECORDS records, inside a segment too (an LMDB
+    write transaction holds its dirty pages until it commits). After a crash there, the next
+    daemon must take that segment again from the record after the commit: not skip the rest
+    of it (.metadata would never appear), nor apply its first records twice (.metadata.tmp
+    would come back)."""
+    import ckptfs.drain
+
+    monkeypatch.setattr(ckptfs.drain, "VIEW_COMMIT_RECORDS", 2)
+    index, log, ns = checkpoint_in_two_segments(tmp_path)
+    (tmp_path / "shared").mkdir()
+    store = FlakyStore(str(tmp_path / "shared"))
+    store.init()
+    store.prepare("t0")
+    drain = Drain(str(tmp_path / "nvme"), "t0", index, store, log.path, None)
+    ready = drain._ready_segments()
+    applied = 0
+    real_apply = drain.pub.apply
+
+    def crash_after_two(seg: int, rec) -> None:  # noqa: ANN001
+        nonlocal applied
+        if applied == 2:
+            raise RuntimeError("SIGKILL")
+        applied += 1
+        real_apply(seg, rec)
+
+    drain.pub.apply = crash_after_two  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        drain._pub_thread.submit(drain._advance, ready, True).result()
+    first = ready[0][0]
+    assert drain.pub.applied[0] == first and drain.pub.applied[1] < ready[0][1], (
+        f"the crash was meant to come inside segment {first}: {drain.pub.applied}")
+    drain._pub_thread.submit(drain.pub.close, False).result()  # what a SIGKILL leaves
+    drain._pub_thread.shutdown()
+
+    drain = Drain(str(tmp_path / "nvme"), "t0", index, store, log.path, None)
+    try:
+        again = drain._ready_segments()
+        assert [s for s, _z, _d in again] == [s for s, _z, _d in ready], again
+        drain._pub_thread.submit(drain._advance, again, True).result()
+        names = published_names(drain, store)
+        assert names == ["step_1", "step_1/.metadata", "step_1/__0_0.distcp"], names
+    finally:
+        drain.close()
+        log.close()
+        index.close()
