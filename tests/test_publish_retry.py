@@ -68,6 +68,14 @@ def checkpoint_in_two_segments(tmp_path: Path):
     return index, log, ns
 
 
+def flaky_store(tmp_path: Path) -> FlakyStore:
+    (tmp_path / "shared").mkdir()
+    store = FlakyStore(str(tmp_path / "shared"))
+    store.init()
+    store.prepare("t0")
+    return store
+
+
 def advance_until_done(drain: Drain, attempts: int = 4) -> int:
     """What _retrying does: the same arguments again after a failure."""
     ready = drain._ready_segments()
@@ -92,10 +100,7 @@ def published_names(drain: Drain, store: SharedStore) -> list[str]:
 def test_a_retried_publish_neither_repeats_records_nor_replaces_a_manifest(
         tmp_path: Path, fault: str) -> None:
     index, log, ns = checkpoint_in_two_segments(tmp_path)
-    (tmp_path / "shared").mkdir()
-    store = FlakyStore(str(tmp_path / "shared"))
-    store.init()
-    store.prepare("t0")
+    store = flaky_store(tmp_path)
     drain = FlakyOpen(str(tmp_path / "nvme"), "t0", index, store, log.path, None)
     drain.fail_open = set()
     if fault == "put_manifest":
@@ -132,10 +137,7 @@ def test_a_view_committed_inside_a_segment_resumes_there_after_a_crash(
 
     monkeypatch.setattr(ckptfs.drain, "VIEW_COMMIT_RECORDS", 2)
     index, log, ns = checkpoint_in_two_segments(tmp_path)
-    (tmp_path / "shared").mkdir()
-    store = FlakyStore(str(tmp_path / "shared"))
-    store.init()
-    store.prepare("t0")
+    store = flaky_store(tmp_path)
     drain = Drain(str(tmp_path / "nvme"), "t0", index, store, log.path, None)
     ready = drain._ready_segments()
     applied = 0
