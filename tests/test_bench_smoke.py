@@ -63,3 +63,16 @@ def test_readpath_bench_runs_and_reports_both_restores() -> None:
     for r in rows:
         gbps, base, ratio, cpu = (float(x) for x in r[1:])
         assert gbps > 0 and base > 0 and ratio > 0 and cpu >= 0, res.stdout
+
+
+def test_import_scale_bench_runs_and_reports_its_table(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "bench.import_scale", "--files", "2000",
+                          "--more", "1000", "--reads", "500", "--workdir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in res.stdout.splitlines()
+            if line.startswith("| 2,000 ")]
+    assert len(rows) == 1, res.stdout
+    assert "MiB" in rows[0][2] and "MiB" in rows[0][4], res.stdout
+    assert "slowest" in res.stdout and "over 100 ms" in res.stdout, res.stdout
+    assert list(tmp_path.iterdir()) == [], "the work directory was not removed"
