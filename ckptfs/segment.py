@@ -487,12 +487,14 @@ class SealedSegment:
         if size < SEGMENT_HEADER_SIZE + RECORD_HEADER_SIZE + FOOTER_SIZE:
             raise CorruptRecord(name, 0, "too small to be a sealed segment")
         foot = parse_footer(read(size - FOOTER_SIZE, FOOTER_SIZE))
+        table_end = size - FOOTER_SIZE  # where the SEAL record must end
         if foot is None and find_seal:
             foot = find_seal_record(read, size)
+            table_end = size  # the footer may be cut off: find_seal_record checked the end
         if foot is None:
             raise CorruptRecord(name, size - FOOTER_SIZE, "missing or bad footer (not sealed)")
         self.seal_pos, self.nrecords = foot
-        if self.seal_pos + RECORD_HEADER_SIZE > size - FOOTER_SIZE:
+        if self.seal_pos + RECORD_HEADER_SIZE > table_end:
             raise CorruptRecord(name, self.seal_pos, "footer points past the end")
         if header:
             self.seg_id, self.created_ns, self.node = parse_segment_header(
@@ -504,7 +506,7 @@ class SealedSegment:
         if hdr is None or hdr[0] != RecType.SEAL:
             raise CorruptRecord(name, self.seal_pos, "footer does not point at a SEAL record")
         length = hdr[1]
-        if self.seal_pos + RECORD_HEADER_SIZE + length > size - FOOTER_SIZE \
+        if self.seal_pos + RECORD_HEADER_SIZE + length > table_end \
                 or length != self.nrecords * SEAL_ROW.size:
             raise CorruptRecord(name, self.seal_pos, "SEAL record size mismatch")
         whole = head + read(self.seal_pos + RECORD_HEADER_SIZE, length)
@@ -541,8 +543,8 @@ def find_seal_record(read: "Callable[[int, int], bytes]", size: int,
                      chunk: int = 4 << 20) -> tuple[int, int] | None:
     """(position, record count) of the SEAL record of a segment whose footer is damaged or
     cut off, found from the end backwards: a verified SEAL record ending where its footer
-    starts, or would have (the last FOOTER_SIZE bytes may be gone). None if there is none;
-    the whole file is read backwards then, so this is for damaged segments only."""
+    starts, or would have (the last FOOTER_SIZE bytes may be gone). None if there is none.
+    Reads up to the last MAX_PAYLOAD bytes, so this is for damaged segments only."""
     magic = struct.pack("<I", RECORD_MAGIC)
     # no SEAL record starts before `floor`: its payload would be over MAX_PAYLOAD
     floor = max(SEGMENT_HEADER_SIZE, size - FOOTER_SIZE - RECORD_HEADER_SIZE - MAX_PAYLOAD)

@@ -318,6 +318,39 @@ def test_sealed_segment_table_matches_records(tmp_path: Path) -> None:
     close(index, log)
 
 
+def test_the_seal_table_is_found_past_a_damaged_or_cut_off_footer(tmp_path: Path) -> None:
+    """Replay reads an older segment through its SEAL table, which the footer points at. A
+    footer damaged, or cut short, must not hide the table (find_seal); a damaged SEAL record
+    must not be taken for one."""
+    index, log, ns = make(tmp_path)
+    f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+    for i in range(5):
+        ns.write(f, i * 10, b"x" * 10)
+    seg = ns.seal("wait")
+    assert seg is not None
+    pristine = Path(log.path(seg)).read_bytes()
+    close(index, log)
+    seal_pos = fmt.parse_footer(pristine[-fmt.FOOTER_SIZE:])[0]
+
+    def table(blob: bytes, find: bool) -> list[tuple]:
+        return fmt.SealedSegment("s", len(blob), lambda o, n: blob[o:o + n],
+                                 find_seal=find).rows
+
+    rows = table(pristine, False)
+    assert len(rows) == 6  # CREATE and five WRITEs
+    flipped = bytearray(pristine)
+    flipped[-20] ^= 1
+    for damaged in (bytes(flipped), pristine[:-10], pristine[:-fmt.FOOTER_SIZE]):
+        with pytest.raises(fmt.CorruptRecord):
+            table(damaged, False)
+        assert table(damaged, True) == rows
+    bad_seal = bytearray(flipped)
+    bad_seal[seal_pos + 60] ^= 1
+    for damaged in (bytes(bad_seal), pristine[:seal_pos + 100]):
+        with pytest.raises(fmt.CorruptRecord):
+            table(damaged, True)
+
+
 def test_manifest_roundtrip_and_hostile_input(tmp_path: Path) -> None:
     import json
     import struct
