@@ -22,6 +22,7 @@ counts take it (docs/operations.md, "Memory"). Needs /dev/fuse; everything runs 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -62,10 +63,11 @@ def ckptfs(*args: str | Path, timeout: float = 3600) -> str:
 
 
 def daemon_pid(mnt: Path) -> int:
-    st = ckptfs("status", mnt, "--json")
-    import json
+    return int(json.loads(ckptfs("status", mnt, "--json"))["pid"])
 
-    return int(json.loads(st)["pid"])
+
+def count(d: Path) -> int:
+    return len(os.listdir(d)) if d.exists() else 0
 
 
 def memory(pid: int) -> tuple[int, int]:
@@ -125,8 +127,7 @@ def run(work: Path, files: int, more: int, reads: int) -> None:
             make_files(a["mnt"] / "step_2", more)
             ckptfs("wait", a["mnt"])
             deadline = time.monotonic() + 600
-            while len(os.listdir(b["mnt"] / "step_2")) < more if (
-                    b["mnt"] / "step_2").exists() else True:
+            while count(b["mnt"] / "step_2") < more:
                 if time.monotonic() > deadline:
                     raise SystemExit("node B did not import step_2 within 600 s")
                 time.sleep(0.5)

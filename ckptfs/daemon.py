@@ -158,7 +158,7 @@ def identity(nvme: str, node_id: str | None, first_seg: int, shared: str,
             layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
         return ident
     # "adopted" turns true once the node's published namespace was imported into this new
-    # directory (see remote.Refresher.apply_all)
+    # directory (see remote.Refresher.import_at_mount)
     ident = {"node": node_id or socket.gethostname(), "first_segment": first_seg,
              "created_ns": time.time_ns(), "shared": shared, "cold": cold, "adopted": False}
     layout.publish_bytes(path, (json.dumps(ident) + "\n").encode())
@@ -346,7 +346,7 @@ class Daemon:
                 raise CliError(f"node {cfg.node_id} has checkpoints on the cold tier "
                                f"{own.cold}: a new NVME directory for it must be mounted "
                                f"with --cold {own.cold}")
-            self.refresher.apply_all(found, at_mount=True)
+            self.refresher.import_at_mount(found)
             if not ident.get("adopted", True):
                 self.seglog.sync_now()  # the imports are in the log, durably: now say so
                 self.index.commit()

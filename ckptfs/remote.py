@@ -88,17 +88,15 @@ def winner(a: tuple[int, str], b: tuple[int, str]) -> bool:
 
 
 YIELD_AFTER = 0.005  # a refresh gives other requests a turn after this many seconds of work
-MOUNT_COMMIT_STEPS = 20_000  # the import at mount commits the index after this many files
+MOUNT_COMMIT_STEPS = 20_000  # the import at mount commits the index every so many steps
+#                              (a step is about one file)
 
 
 def marker_test(patterns: tuple[str, ...]) -> Callable[[str], bool]:
     """Whether a path's last component is a commit marker (glob patterns, as retention's)."""
-    literal = frozenset(p for p in patterns if not any(ch in p for ch in "*?["))
-    globs = tuple(p for p in patterns if p not in literal)
-
     def is_marker(path: str) -> bool:
         name = path.rsplit("/", 1)[-1]
-        return name in literal or any(fnmatch.fnmatchcase(name, g) for g in globs)
+        return any(fnmatch.fnmatchcase(name, g) for g in patterns)
 
     return is_marker
 
@@ -146,13 +144,8 @@ class Refresher:
                 log.error("ignoring manifest: %s", msg)
         self.errors = errors[-10:]
         n = 0
-        steps = self._apply_all(found)
         turn = time.monotonic()
-        while True:
-            try:
-                n = next(steps)
-            except StopIteration:
-                break
+        for n in self._apply_all(found):
             if time.monotonic() - turn >= YIELD_AFTER:
                 await trio.sleep(0)  # serve the requests that queued up meanwhile
                 turn = time.monotonic()
@@ -166,14 +159,14 @@ class Refresher:
         self.invalidate.clear()
         return n
 
-    def apply_all(self, found: dict[str, manifest.Manifest], at_mount: bool = False) -> int:
+    def import_at_mount(self, found: dict[str, manifest.Manifest]) -> int:
         """Import other nodes' manifests, all at once (at mount, before serving). Our own is
         imported only at the first mount of a new NVME directory (the node lost its disk,
         or moved): its published namespace must not vanish. An NVME directory with a log
         never imports its own manifest: its log is newer than anything it published."""
         n = 0
-        for i, n in enumerate(self._apply_all(found, at_mount)):
-            if at_mount and i % MOUNT_COMMIT_STEPS == MOUNT_COMMIT_STEPS - 1:
+        for i, n in enumerate(self._apply_all(found, at_mount=True)):
+            if i % MOUNT_COMMIT_STEPS == MOUNT_COMMIT_STEPS - 1:
                 # an LMDB write transaction holds every page it dirtied until it commits:
                 # commit (the log first, write-ahead) every so many files of a big import
                 self.ns.log.sync_now()
@@ -182,10 +175,9 @@ class Refresher:
 
     def _apply_all(self, found: dict[str, manifest.Manifest],
                    at_mount: bool = False) -> Iterator[int]:
-        """apply_all one entry at a time: yields the changes so far after each (and once at
-        the end), so that a caller may serve requests in between."""
+        """Import manifests one entry at a time: yields the changes so far after each (and
+        once at the end), so that a caller may serve requests in between."""
         n = 0
-        yield n
         for node, m in sorted(found.items()):
             if m.cold and node not in self.ns.reader.cold_by_node:
                 from ckptfs.shared import open_store
@@ -214,21 +206,17 @@ class Refresher:
 
     # --- applying one node's manifest ----------------------------------------------------
 
-    def apply(self, node: str, m: manifest.Manifest) -> int:
-        changed = 0
-        for changed in self._apply(node, m):
-            pass
-        return changed
-
     def _apply(self, node: str, m: manifest.Manifest) -> Iterator[int]:
         """Import one manifest, one entry at a time (yields the changes so far), commit
         markers last."""
         changed = 0
         present: set[str] = set()
         self._dir_mtime = {e.path: e.mtime_ns for e in m.entries if e.type == "d"}
-        markers = [e for e in m.entries if e.type == "f" and self.is_marker(e.path)]
-        ordered = (e for e in m.entries if not (e.type == "f" and self.is_marker(e.path)))
-        for e in (*ordered, *markers):
+        ordered: list[manifest.Entry] = []
+        markers: list[manifest.Entry] = []
+        for e in m.entries:
+            (markers if e.type == "f" and self.is_marker(e.path) else ordered).append(e)
+        for e in ordered + markers:
             present.add(e.path)
             try:
                 changed += self._apply_entry(node, e)

@@ -17,6 +17,7 @@ from test_format import close, make
 
 from ckptfs.index import ROOT_INO
 from ckptfs.manifest import Entry, Extents, Manifest
+from ckptfs.namespace import Namespace
 from ckptfs.remote import Refresher
 
 NAMES = ["other/0000000000000001"]
@@ -30,7 +31,7 @@ def manifest(seq: int, paths: list[str]) -> Manifest:
     return Manifest("other", seq, 0, {NAMES[0]: {"size": 1 << 30}}, entries)
 
 
-def exists(ns, path: str) -> bool:  # noqa: ANN001 - the test's Namespace
+def exists(ns: Namespace, path: str) -> bool:
     parent = ROOT_INO
     for comp in path.split("/"):
         child = ns.index.lookup(parent, comp.encode())
