@@ -416,13 +416,18 @@ class Drain:
         """(Thread-safe) whether seg lives on the cold tier, as far as the trio side told us."""
         return SegState.COLD if seg in self._cold_segs else SegState.PUBLISHED
 
+    def in_view(self, seg: int, size: int) -> bool:
+        """(Thread-safe) whether the published view has applied all of segment `seg`; it may
+        have committed part of one (VIEW_COMMIT_RECORDS)."""
+        done_seg, done_pos, _seq = self.pub.applied
+        return seg < done_seg or (seg == done_seg and done_pos >= size)
+
     def _ready_segments(self) -> list[tuple[int, int, bool]]:
         """Published segments after the published view, up to the first one that is not."""
-        last, last_pos = self.pub.applied[0], self.pub.applied[1]
         out = []
         for seg, i in self.index.iter_segments():
-            if seg < last or (seg == last and last_pos >= i.size):
-                continue  # applied (the view may have committed part of a segment)
+            if self.in_view(seg, i.size):
+                continue
             if i.state not in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED,
                                SegState.COLD):
                 break
@@ -509,9 +514,9 @@ class Drain:
             # the manifest's put), or a restart after a commit inside a segment, must not
             # apply a record twice: a CREATE of a.tmp applied again after its RENAME to a
             # would bring a.tmp back into the view.
-            done_seg, done_pos, _seq = self.pub.applied
-            if seg < done_seg or (seg == done_seg and done_pos >= size):
+            if self.in_view(seg, size):
                 continue
+            done_seg, done_pos, _seq = self.pub.applied
             if dropped:
                 self.dropped.add(seg)
             if self.pub.get_segment(seg) is None:

@@ -264,11 +264,10 @@ class Collector:
         return out
 
     def compaction_candidates(self) -> list[int]:
-        pub_seg, pub_pos = self.drain.pub.applied[:2]
         out = []
         for seg, i in self.index.iter_segments():
-            if seg > pub_seg or (seg == pub_seg and pub_pos < i.size):
-                break  # not in the view yet, or not whole
+            if not self.drain.in_view(seg, i.size):
+                break
             if i.state in (SegState.PUBLISHED, SegState.EVICTED) and i.data > 0 \
                     and 0 < i.live < self.compact_below * i.data:
                 out.append(seg)

@@ -42,9 +42,8 @@ What the promise is taken to allow (the assumptions; `classify` and `check_file`
   them, are allowed only for *lost* records: in a segment whose SEAL record is damaged or
   cut off (or, for the newest segment, its footer), the data records from the first damaged
   record on (without a table a damaged length field decides where the scan resumes); and all
-  records of the
-  newest segment when its header is damaged (a header of zeros there is taken for one that
-  never reached the disk before a power loss: an empty tail, removed). An older segment whose
+  records of the newest segment when its header is damaged (a header of zeros there is taken
+  for one that never reached the disk before a power loss: an empty tail, removed). An older segment whose
   header is damaged is still read record by record, through its table when it has one.
 - A file never grows, except when a segment has neither a table nor an intact header for one
   of its damaged data records: replay then trusts that header's ino and offset (the frame
@@ -494,9 +493,9 @@ class Effect:
     # ino -> file ranges of data records a full replay cannot identify, so they may become
     # holes (zeros) or fall past a shorter size. In a segment with no trustworthy SEAL table
     # (SEAL record damaged or cut off; the newest segment's footer too): every data record
-    # from the first damaged
-    # record on, because without a table the scan resumes after a bad record where its
-    # (possibly damaged) length says, never inside a frame it cannot trust (format.md 1.4).
+    # from the first damaged record on, because without a table the scan resumes after a bad
+    # record where its (possibly damaged) length says, never inside a frame it cannot trust
+    # (format.md 1.4).
     # And every record of the newest segment when its header is damaged (a zeroed header
     # there is an empty tail after a power loss, removed).
     lost: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
