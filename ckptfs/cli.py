@@ -153,7 +153,8 @@ def _status_table(st: dict) -> Any:
          or "-"),
         ("checkpoints", ", ".join(c["name"] + ("" if c["complete"] else "*")
                                   for c in st["retention"]["checkpoints"]) or "-"),
-        ("last error", st["last_error"] or "none"),
+        ("last error", (f"{st['last_error']} (failing for {st.get('failing_for_s', 0):.0f} s)"
+                        if st["last_error"] else "none")),
     ]
     for k, v in rows:
         t.add_row(k, str(v))

@@ -653,6 +653,8 @@ class Daemon:
             "shared_ops": dict(self.store.ops),
             "shared_bytes_read": self.store.bytes_read,
             "last_error": self.drain.stats.last_error,
+            "failing_for_s": (round(time.monotonic() - self.drain.stats.failing_since, 1)
+                              if self.drain.stats.failing_since is not None else 0.0),
             "remote": self.refresher.status(),
             "cache": self.cache.status(),
             "live_data_bytes": live, "segment_data_bytes": data,

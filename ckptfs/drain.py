@@ -60,6 +60,7 @@ class DrainStats:
     retries: int = 0
     last_error: str | None = None
     last_error_time: float | None = None
+    failing_since: float | None = None  # monotonic time of the first error since the last success
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes) for rate
 
     def rate(self, window: float = 10.0) -> float:
@@ -168,7 +169,7 @@ class Drain:
         except OSError as e:  # the first upload tries again, and reports
             log.debug("preparing this node's directories on SHARED: %s", e)
         if self.stats.last_error and self.stats.last_error.startswith("clean temp files"):
-            self.stats.last_error = None
+            self.stats.last_error = self.stats.failing_since = None
         self._ready.set()
 
     async def wait_seq(self, seq: int, timeout: float | None,
@@ -192,8 +193,10 @@ class Drain:
                 pend = max(0, sum(size for _s, size in self.pending())
                            - sum(self.in_flight.values()))
                 total = max(total or 0, pend)
-                await progress({"done": total - pend, "total": total,
-                                "error": self.stats.last_error})
+                st = self.stats
+                await progress({"done": total - pend, "total": total, "error": st.last_error,
+                                "error_for": (time.monotonic() - st.failing_since
+                                              if st.failing_since is not None else 0.0)})
             ev = self._changed
             with trio.move_on_at(deadline if deadline is not None else float("inf")):
                 with trio.move_on_after(1.0):
@@ -256,6 +259,8 @@ class Drain:
     def _error(self, msg: str) -> None:
         if msg != self.stats.last_error:
             log.error("drain: %s (will retry)", msg)
+        if self.stats.failing_since is None:
+            self.stats.failing_since = time.monotonic()
         self.stats.last_error = msg
         self.stats.last_error_time = time.time()
 
@@ -403,7 +408,7 @@ class Drain:
             self.stats.batches += 1
         if self.stats.last_error:
             log.info("drain recovered")
-            self.stats.last_error = None
+            self.stats.last_error = self.stats.failing_since = None
         what = (f"segment {fmt.segment_name(todo[0][0])}" if len(todo) == 1 else
                 f"{len(todo)} segments {fmt.segment_name(todo[0][0])}.."
                 f"{fmt.segment_name(todo[-1][0])} as one batch")

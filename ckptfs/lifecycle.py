@@ -379,15 +379,17 @@ class progress:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    def _notice(self, error: str | None) -> None:
+    def _notice(self, error: str | None, error_for: float = 0.0) -> None:
+        """`error_for`: how long the daemon's drain has been failing (a daemon from before
+        it was reported: counted from this client's first sight of the error)."""
         now = time.monotonic()
         if not error:
             if self.told is not None:
                 self._say(f"ckptfs: {self.label}: the drain works again")
             self.failing_since = self.told = None
             return
-        if self.failing_since is None:
-            self.failing_since = now
+        if self.failing_since is None or error_for:
+            self.failing_since = min(self.failing_since or now, now - error_for)
         if now - self.failing_since >= self.notice_after and error != self.told:
             self._say(f"ckptfs: {self.label}: still waiting, the drain has been failing for "
                       f"{now - self.failing_since:.0f} s and retries: {error}")
@@ -405,7 +407,7 @@ class progress:
 
         def update(info: dict) -> None:
             if "error" in info:
-                self._notice(info["error"])
+                self._notice(info["error"], float(info.get("error_for") or 0.0))
             if self.bar is not None:
                 self.bar.update(self.task, total=info.get("total") or None,
                                 completed=info.get("done", 0))

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import random
+import re
 import select
 import shutil
 import subprocess
@@ -151,17 +152,22 @@ def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path
             assert st["bytes_pending_upload"] > 0, st
             write_tree(m.mnt, later)  # still writable after the failed wait
             assert_tree({**before, **during, **later}, m.mnt, f"the mount during a {fault} store")
-            # a wait with no timeout says why it is still waiting, and returns once repaired
+            # a wait with no timeout says why it is still waiting, and returns once repaired;
+            # the drain's failure started before this wait did, and counts from there
+            wait_status(m, lambda s: s["failing_for_s"] >= 4, 30, "4 s of drain failure")
             waiter = stack.enter_context(subprocess.Popen(
                 ckptfs_cmd("wait", m.mnt / "step_2"), stdin=subprocess.DEVNULL, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env={**os.environ, "CKPTFS_WAIT_NOTICE_AFTER": "1"}))
+                env={**os.environ, "CKPTFS_WAIT_NOTICE_AFTER": "4"}))
             stack.callback(lambda: waiter.poll() is None and waiter.kill())
             assert waiter.stderr is not None
-            ready, _, _ = select.select([waiter.stderr], [], [], 30)
+            ready, _, _ = select.select([waiter.stderr], [], [], 3.5)
             notice = waiter.stderr.readline() if ready else ""
             assert "still waiting" in notice and why in notice, (
-                f"wait during a {fault} store printed {notice!r}, not why it is still waiting")
+                f"wait during a {fault} store printed {notice!r} within 3.5 s, not why it is "
+                "still waiting")
+            said = re.search(r"failing for (\d+) s", notice)
+            assert said and int(said[1]) >= 4, notice
         recreated = m.shared / "ckptfs.recreated"
         assert not recreated.exists(), (
             "the daemon recreated SHARED/ckptfs while it was gone: "
