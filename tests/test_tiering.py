@@ -34,7 +34,9 @@ def write(path: Path, data: bytes, fsync: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, data)
+        done = 0
+        while done < len(data):  # a full disk may cut a write short before it fails
+            done += os.write(fd, data[done:])
         if fsync:
             os.fsync(fd)
     finally:
