@@ -21,8 +21,9 @@ Databases (keys big-endian so that LMDB's byte order is numeric order):
     objrefs    vseg u64 -> b"node/segment-id-hex" (published objects that imported files use;
                vseg ids have the top bit set so they never collide with local segment ids)
     objids     b"node/segment-id-hex" -> vseg u64
-    origins    ino u64 -> JSON {"node", "mtime_ns", "size"}: the file was imported from that
-               node's manifest and not modified here since
+    origins    ino u64 -> JSON {"node", "mtime_ns", "size", "ext"}: the file was imported from
+               that node's manifest and not modified here since; {"node", "mtime_ns"} for a
+               directory or symlink a refresh made for that node
     chunks     xxh3-128 of a WRITE payload -> seg u64, record position u64, length u32: a
                cache for the incremental drain (not derived from the log; losing it only
                loses deduplication)
@@ -534,6 +535,20 @@ class Index:
         if ino is None:
             return
         body = json.loads(bytes(rec.payload))
+        if not stat.S_ISREG(ino.mode):
+            # a directory or symlink a refresh made for that node: it follows that node's
+            # manifests (removed when they drop it) and is not published again from here
+            # unless this node has something of its own under it. A symlink's new version
+            # (another target) replaces the target in place.
+            if stat.S_ISLNK(ino.mode) and "target" in body:
+                ino.target = os.fsencode(body["target"])
+                ino.size = len(ino.target)
+            ino.mtime_ns = body["mtime_ns"]
+            ino.ctime_ns = rec.time_ns
+            self.put_inode(ino)
+            origin = {"node": body["origin"], "mtime_ns": body["mtime_ns"]}
+            self.txn.put(k_ino(rec.ino), json.dumps(origin).encode(), db=self.origins)
+            return
         self._drop_extents(rec.ino)
         for off, length, obj, pos, skip, rec_len in body["extents"]:
             self._put_ext(rec.ino, Extent(off, self.objref_id(obj), pos, skip, length, rec_len))
@@ -593,8 +608,8 @@ class Index:
         node = self.get_inode(ino)
         if node is None:
             return
+        self._clear_origin(ino)
         if not node.is_dir:
-            self._clear_origin(ino)
             return
         stack = [ino]
         while stack:
@@ -604,10 +619,9 @@ class Index:
                 c = self.get_inode(child)
                 if c is None:
                     continue
+                self._clear_origin(child)
                 if c.is_dir:
                     stack.append(child)
-                else:
-                    self._clear_origin(child)
 
     def _touch_dir(self, ino: int, now: int, nlink_delta: int = 0) -> None:
         d = self.get_inode(ino)

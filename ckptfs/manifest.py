@@ -127,28 +127,42 @@ def split_obj(obj: str) -> tuple[str, int]:
 
 
 def walk(index: Index, skip_foreign_of: str | None = None) -> Iterator[tuple[str, Any]]:
-    """(relative path, inode) for everything reachable from the root, depth first.
+    """(relative path, inode) for everything reachable from the root, depth first; a
+    directory always comes before what is in it.
 
-    With skip_foreign_of=NODE, files imported from other nodes (and not modified here) are
-    left out: they are those nodes' to publish.
-    """
-    stack: list[tuple[int, str]] = [(ROOT_INO, "")]
+    With skip_foreign_of=NODE, what a refresh imported from other nodes is left out: files
+    (not modified here since) and symlinks are those nodes' to publish, and a directory made
+    for another node's entries comes only with the first thing of this node's under it. So
+    a directory or symlink that its node deletes is not published again from here."""
+    # a stack entry: (directory inode, its path + "/", the chain of directories above it
+    # not given out yet: [path, inode, given out?] from the root down)
+    stack: list[tuple[int, str, list[list]]] = [(ROOT_INO, "", [])]
     while stack:
-        dino, prefix = stack.pop()
+        dino, prefix, held = stack.pop()
         for _cookie, name, child in index.readdir(dino, 0):
             node = index.get_inode(child)
             if node is None:
                 continue
             path = prefix + os.fsdecode(name)
-            if node.is_dir:
-                yield path, node
-                stack.append((child, path + "/"))
-                continue
+            foreign = False
             if skip_foreign_of is not None:
                 origin = index.origin(child)
-                if origin is not None and origin.get("node") != skip_foreign_of:
+                foreign = origin is not None and origin.get("node") != skip_foreign_of
+            if node.is_dir:
+                if foreign:
+                    stack.append((child, path + "/", [*held, [path, node, False]]))
                     continue
-            yield path, node
+            elif foreign:
+                continue
+            for h in held:
+                if not h[2]:
+                    h[2] = True
+                    yield h[0], h[1]
+            if node.is_dir:
+                yield path, node
+                stack.append((child, path + "/", []))
+            else:
+                yield path, node
 
 
 class _Writer:

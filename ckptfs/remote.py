@@ -115,7 +115,8 @@ class Refresher:
         self.imported = 0
         self.removed = 0
         self.errors: list[str] = []
-        self.invalidate: list[int] = []
+        self.invalidate: list[int] = []  # inodes whose content or target changed
+        self.gone: list[tuple[int, bytes, int]] = []  # (parent, name, inode) removed
         self.deferred = False
         self._dir_mtime: dict[str, int] = {}
 
@@ -149,14 +150,18 @@ class Refresher:
             if time.monotonic() - turn >= YIELD_AFTER:
                 await trio.sleep(0)  # serve the requests that queued up meanwhile
                 turn = time.monotonic()
+        import pyfuse3
+
         for ino in self.invalidate:
             try:
-                import pyfuse3
-
                 await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
             except Exception:
                 pass
+        for parent, name, ino in self.gone:
+            # the kernel would otherwise still show the name for up to ENTRY_TIMEOUT
+            pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
         self.invalidate.clear()
+        self.gone.clear()
         return n
 
     def import_at_mount(self, found: dict[str, manifest.Manifest]) -> int:
@@ -171,6 +176,8 @@ class Refresher:
                 # commit (the log first, write-ahead) every so many files of a big import
                 self.ns.log.sync_now()
                 self.ns.index.commit()
+        self.invalidate.clear()  # the kernel knows nothing yet
+        self.gone.clear()
         return n
 
     def _apply_all(self, found: dict[str, manifest.Manifest],
@@ -255,6 +262,8 @@ class Refresher:
                         raise FsError(20, f"{path}: a parent is a newer file here")
             if child is None:
                 parent = self.ns.make_node(parent, comp, stat.S_IFDIR | 0o755, 0, 0).ino
+                if node_id:
+                    self._mark(parent, node_id, mtime_ns)
                 continue
             parent = child
         return parent, parts[-1]
@@ -266,15 +275,12 @@ class Refresher:
         cur = idx.lookup(parent, name)
         if e.type == "d":
             if cur is None:
-                self.ns.make_node(parent, name, stat.S_IFDIR | e.mode, e.uid, e.gid)
+                ino = self.ns.make_node(parent, name, stat.S_IFDIR | e.mode, e.uid, e.gid).ino
+                self._mark(ino, node, e.mtime_ns)
                 return 1
             return 0
         if e.type == "l":
-            if cur is None:
-                self.ns.make_node(parent, name, stat.S_IFLNK | 0o777, e.uid, e.gid,
-                                  target=os.fsencode(e.target))
-                return 1
-            return 0
+            return self._apply_symlink(node, e, parent, name, cur)
         if cur is None:
             ino = self.ns.make_node(parent, name, stat.S_IFREG | e.mode, e.uid, e.gid).ino
             self._import(ino, node, e)
@@ -305,23 +311,60 @@ class Refresher:
         self.invalidate.append(cur)
         return 1
 
+    def _apply_symlink(self, node: str, e: manifest.Entry, parent: int, name: bytes,
+                       cur: int | None) -> int:
+        """A symlink follows its node's manifests, as a file does (a `last` link moved to
+        each new checkpoint), and the conflict rule decides against another version here.
+        A new target replaces the old one in place (the same inode)."""
+        idx = self.ns.index
+        if cur is None:
+            ino = self.ns.make_node(parent, name, stat.S_IFLNK | 0o777, e.uid, e.gid,
+                                    target=os.fsencode(e.target)).ino
+            self._mark(ino, node, e.mtime_ns)
+            return 1
+        local = idx.get_inode(cur)
+        if local is None or not stat.S_ISLNK(local.mode):
+            return 0  # a directory or file here is never replaced by a remote symlink
+        origin = idx.origin(cur)
+        if origin is not None and origin.get("node") == node:
+            if origin.get("mtime_ns") == e.mtime_ns and local.target == os.fsencode(e.target):
+                return 0
+        elif not winner((e.mtime_ns, node), (local.mtime_ns,
+                                              origin["node"] if origin else self.node)):
+            return 0
+        self._mark(cur, node, e.mtime_ns, e.target)
+        self.invalidate.append(cur)
+        return 1
+
+    def _mark(self, ino: int, node: str, mtime_ns: int, target: str | None = None) -> None:
+        """IMPORT for a directory or symlink made (or updated) for `node`: it follows that
+        node's manifests from now on (index.py: _apply_import)."""
+        body: dict[str, Any] = {"origin": node, "size": 0, "mtime_ns": mtime_ns,
+                                "extents": []}
+        if target is not None:
+            body["target"] = target
+        self.ns.record(RecType.IMPORT, ino, 0, json.dumps(body, separators=(",", ":")).encode())
+
     def _import(self, ino: int, node: str, e: manifest.Entry) -> None:
         body = {"origin": node, "size": e.size, "mtime_ns": e.mtime_ns,
                 "extents": [list(x) for x in e.extents]}
         self.ns.record(RecType.IMPORT, ino, 0, json.dumps(body, separators=(",", ":")).encode())
 
     def _remove_vanished(self, node: str, present: set[str]) -> Iterator[int]:
-        """Remove the files imported from `node` that its manifest no longer has; yields the
-        count so far between batches of the walk, after each file it looks at again, and at
-        the end."""
+        """Remove what was imported from `node` that its manifest no longer has: files and
+        symlinks, then directories that are empty by then. Yields the count so far between
+        batches of the walk, after each entry it looks at again, and at the end."""
         n = 0
-        vanished: list[tuple[str, int]] = []
-        for found in self._walk_files():
+        vanished: list[tuple[str, int, bool]] = []
+        dirs: list[tuple[str, int, bool]] = []
+        for found in self._walk():
             if found is None:
                 yield n  # between two batches of a directory's entries
             elif found[0] not in present:
-                vanished.append(found)
-        for path, ino_nr in vanished:
+                (dirs if found[2] else vanished).append(found)
+        # directories after the files and symlinks, the deepest first: each after what was in it
+        dirs.sort(key=lambda v: -v[0].count("/"))
+        for path, ino_nr, is_dir in vanished + dirs:
             yield n
             origin = self.ns.index.origin(ino_nr)
             if origin is None or origin.get("node") != node:
@@ -332,20 +375,23 @@ class Refresher:
             where = self._lookup_parent(path)
             if where is None or self.ns.index.lookup(*where) != ino_nr:
                 continue  # renamed, replaced or removed here meanwhile
+            if is_dir and not self.ns.index.dir_is_empty(ino_nr):
+                continue  # something else is in it: it stays
             parent, name = where
             try:
-                self.ns.unlink(parent, name, want_dir=False)
+                self.ns.unlink(parent, name, want_dir=is_dir)
                 n += 1
                 self.removed += 1
+                self.gone.append((parent, name, ino_nr))
             except FsError:
                 pass
         yield n
 
-    def _walk_files(self, batch: int = 1000) -> Iterator[tuple[str, int] | None]:
-        """(path, inode number) of every file, and None between batches of directory
-        entries, where the caller may let other requests run: a commit of the index then
-        closes LMDB cursors, so none is open across a None (each batch is read whole and
-        the next one resumes after its last cookie)."""
+    def _walk(self, batch: int = 1000) -> Iterator[tuple[str, int, bool] | None]:
+        """(path, inode number, is a directory) of everything, and None between batches of
+        directory entries, where the caller may let other requests run: a commit of the
+        index then closes LMDB cursors, so none is open across a None (each batch is read
+        whole and the next one resumes after its last cookie)."""
         idx = self.ns.index
         stack: list[tuple[int, str]] = [(ROOT_INO, "")]
         while stack:
@@ -365,8 +411,7 @@ class Refresher:
                     path = prefix + os.fsdecode(name)
                     if node.is_dir:
                         stack.append((child, path + "/"))
-                    else:
-                        yield path, child
+                    yield path, child, node.is_dir
                 yield None
                 if len(chunk) < batch:
                     break

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -248,6 +249,39 @@ def test_deletes_and_renames_propagate(make_mount: MakeMount, tmp_path: Path) ->
     assert (b.mnt / "checkpoint-1/f.bin").read_bytes() == blob("r", 70_000)
     listed = {e["path"] for e in ls_json(a.shared) if e["type"] == "f"}
     assert listed == {"checkpoint-1/f.bin", "keep.bin"}, listed
+
+
+def test_deleted_directories_and_moved_symlinks_reach_every_node(make_mount: MakeMount,
+                                                                tmp_path: Path) -> None:
+    """A checkpoint directory its node deletes goes everywhere, and stays gone: the other
+    node used to keep it, empty, publish it again, and so bring it back to the node that
+    deleted it (every checkpoint retention removed). A `last` symlink moved to each new
+    checkpoint (Lightning's save_last="link") follows on the other node, and goes when
+    removed."""
+    a, b = two_nodes(make_mount)
+    write_tree(a.mnt, {"step_1/x": b"1", "step_2/y": b"2"})
+    os.symlink("step_1", a.mnt / "last")
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    assert os.readlink(b.mnt / "last") == "step_1"
+    os.symlink("step_2", a.mnt / "last.tmp")
+    os.replace(a.mnt / "last.tmp", a.mnt / "last")
+    shutil.rmtree(a.mnt / "step_1")
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    assert os.readlink(b.mnt / "last") == "step_2", "the symlink did not follow its node"
+    assert sorted(os.listdir(b.mnt)) == ["last", "step_2"], sorted(os.listdir(b.mnt))
+    write_tree(b.mnt, {"b.txt": b"n1 publishes again"})
+    wait_published(b.mnt)
+    status(a, refresh=True)
+    assert sorted(os.listdir(a.mnt)) == ["b.txt", "last", "step_2"], sorted(os.listdir(a.mnt))
+    os.unlink(a.mnt / "last")
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    assert not os.path.lexists(b.mnt / "last"), "a symlink its node removed is still here"
+    listed = sorted(e["path"] for e in ls_json(a.shared))
+    assert listed == ["b.txt", "step_2", "step_2/y"], listed
+    assert set(export_files(a.shared, "", tmp_path / "out")) == {"b.txt", "step_2/y"}
 
 
 def test_open_file_is_not_swapped_under_its_reader(make_mount: MakeMount) -> None:

@@ -16,7 +16,7 @@ import pytest
 from test_format import close, make
 
 from ckptfs.index import ROOT_INO
-from ckptfs.manifest import Entry, Extents, Manifest
+from ckptfs.manifest import Entry, Extents, Manifest, walk
 from ckptfs.namespace import Namespace
 from ckptfs.remote import Refresher
 
@@ -46,8 +46,8 @@ def test_an_import_in_steps_keeps_no_cursor_open_and_brings_the_marker_last(
         tmp_path: Path, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     index, log, ns = make(tmp_path)
     ref = Refresher(ns, None, "me", fresh_nvme=False, markers=(".metadata", "*.done"))
-    walk = ref._walk_files
-    monkeypatch.setattr(ref, "_walk_files", lambda: walk(batch=batch))
+    walk = ref._walk
+    monkeypatch.setattr(ref, "_walk", lambda: walk(batch=batch))
     shards = [f"step_1/__{r}_{i}.distcp" for r in range(4) for i in range(25)]
     # the markers come first in the manifest's own (sorted) order
     first = manifest(1, ["step_1/.metadata", "step_1/a.done", *shards])
@@ -81,4 +81,55 @@ def test_an_import_in_steps_keeps_no_cursor_open_and_brings_the_marker_last(
     assert all(exists(ns, p) for p in kept), "a file the manifest keeps was removed"
     assert exists(ns, "step_1/local.distcp"), "a file written here was removed"
     assert ref.seen == {"other": 2}
+    close(index, log)
+
+
+def test_directories_and_symlinks_follow_their_node_and_are_not_published_again(
+        tmp_path: Path) -> None:
+    """What a refresh made for another node (directories, symlinks, files) goes when that
+    node's manifest drops it, and a symlink takes that node's new target. None of it is in
+    this node's manifest, except a directory holding something of this node's: otherwise a
+    checkpoint directory its node deleted came back from every other node, empty, and a
+    `last` symlink never moved."""
+    index, log, ns = make(tmp_path)
+    ref = Refresher(ns, None, "me", fresh_nvme=False)
+
+    def other(seq: int, dirs: list[str], files: list[str], link: str | None) -> Manifest:
+        m = manifest(seq, files)
+        m.entries[1:1] = [Entry(d, "d", 0o755, 0, 0, 0, 1) for d in dirs]
+        if link is not None:
+            m.entries.append(Entry("last", "l", 0o777, 0, 0, len(link), 100 * seq, link))
+        return m
+
+    def published() -> set[str]:
+        return {p for p, _ in walk(index, skip_foreign_of="me")}
+
+    def apply(m: Manifest) -> None:
+        for _ in ref._apply_all({"other": m}):
+            index.commit()
+
+    apply(other(1, ["step_2", "step_2/sub"], ["step_1/a", "step_2/sub/b"], "step_1"))
+    assert all(exists(ns, p) for p in ("step_1/a", "step_2/sub/b", "last"))
+    last = index.lookup(ROOT_INO, b"last")
+    assert last is not None
+    assert index.get_inode(last).target == b"step_1"
+    # here: a file of this node's in an imported directory, a directory and a symlink of
+    # its own
+    step_1 = index.lookup(ROOT_INO, b"step_1")
+    assert step_1 is not None
+    ns.create(step_1, b"local", 0o644, 0, 0)
+    ns.make_node(ROOT_INO, b"mine", 0o40755, 0, 0)
+    ns.make_node(ROOT_INO, b"mylink", 0o120777, 0, 0, target=b"mine")
+    assert published() == {"step_1", "step_1/local", "mine", "mylink"}, published()
+
+    # its node moves `last` and deletes step_2, then all of step_1
+    apply(other(2, ["step_3"], ["step_1/a", "step_3/c"], "step_3"))
+    assert not exists(ns, "step_2"), "a directory its node deleted is still here"
+    assert index.lookup(ROOT_INO, b"last") == last, "the symlink was not updated in place"
+    assert index.get_inode(last).target == b"step_3"
+    apply(other(3, [], ["step_3/c"], None))
+    assert not exists(ns, "last") and not exists(ns, "step_1/a")
+    assert exists(ns, "step_1/local"), "a directory holding a file of this node's went"
+    assert exists(ns, "mine") and exists(ns, "mylink")
+    assert published() == {"step_1", "step_1/local", "mine", "mylink"}, published()
     close(index, log)
