@@ -119,6 +119,9 @@ class Refresher:
         self.gone: list[tuple[int, bytes, int]] = []  # (parent, name, inode) removed
         self.deferred = False
         self._dir_mtime: dict[str, int] = {}
+        # the directories each other node's last imported manifest has (or needs for its
+        # entries): a directory made here for one node stays while any of them lists it
+        self.listed: dict[str, set[str]] = {}
 
     async def run(self) -> None:
         while True:
@@ -231,6 +234,13 @@ class Refresher:
                 log.warning("cannot import %s from node %s: %s", e.path, node, err)
             yield changed
         if node != self.node:
+            dirs = set(self._dir_mtime)
+            for e in m.entries:
+                cut = e.path.rfind("/")
+                while cut > 0 and e.path[:cut] not in dirs:
+                    dirs.add(e.path[:cut])
+                    cut = e.path.rfind("/", 0, cut)
+            self.listed[node] = dirs
             for removed in self._remove_vanished(node, present):
                 yield changed + removed
             changed += removed
@@ -367,7 +377,13 @@ class Refresher:
         for path, ino_nr, is_dir in vanished + dirs:
             yield n
             origin = self.ns.index.origin(ino_nr)
-            if origin is None or origin.get("node") != node:
+            if origin is None or origin.get("node") == self.node:
+                continue  # this node's own
+            if is_dir:
+                # made for `node`, or for a node that dropped it before it was empty here
+                if any(path in d for d in self.listed.values()):
+                    continue
+            elif origin.get("node") != node:
                 continue
             if self.ns.opens.get(ino_nr):
                 self.deferred = True  # removed once closed: look again next refresh

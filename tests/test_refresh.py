@@ -133,3 +133,28 @@ def test_directories_and_symlinks_follow_their_node_and_are_not_published_again(
     assert exists(ns, "mine") and exists(ns, "mylink")
     assert published() == {"step_1", "step_1/local", "mine", "mylink"}, published()
     close(index, log)
+
+
+def test_a_directory_two_nodes_wrote_into_goes_when_the_last_of_them_drops_it(
+        tmp_path: Path) -> None:
+    """Every node's ranks write into step_1 (DCP): made here for the node whose manifest came
+    first, step_1 must stay while the other still has files in it, and go once neither
+    lists it, in whichever order they drop it."""
+    index, log, ns = make(tmp_path)
+    ref = Refresher(ns, None, "me", fresh_nvme=False)
+
+    def node(name: str, seq: int, files: list[str]) -> Manifest:
+        m = manifest(seq, files)
+        return Manifest(name, seq, 0, m.objects, m.entries if files else [])
+
+    def apply(*ms: Manifest) -> None:
+        for _ in ref._apply_all({m.node: m for m in ms}):
+            index.commit()
+
+    apply(node("a", 1, ["step_1/a0"]), node("b", 1, ["step_1/b0"]))
+    assert exists(ns, "step_1/a0") and exists(ns, "step_1/b0")
+    apply(node("a", 2, []))
+    assert exists(ns, "step_1/b0") and not exists(ns, "step_1/a0")
+    apply(node("b", 2, []))
+    assert not exists(ns, "step_1"), "an emptied directory neither node lists is still here"
+    close(index, log)
