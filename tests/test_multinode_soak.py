@@ -53,6 +53,7 @@ MTIME_BASE = time.time_ns() + 86_400 * 10**9
 class Soak:
     def __init__(self, make_mount: MakeMount, tmp_path: Path, seed: int) -> None:
         self.rnd = random.Random(seed)
+        self.seed = seed
         self.make_mount = make_mount
         self.tmp = tmp_path
         self.nodes: dict[str, Mount] = {}
@@ -332,7 +333,8 @@ class Soak:
         if dirs != want_dirs:
             diff.append(f"directories not expected: {sorted(dirs - want_dirs)}, missing: "
                         f"{sorted(want_dirs - dirs)}")
-        assert not diff, (f"{what} differs from the model:\n  " + "\n  ".join(diff)
+        assert not diff, (f"{what} differs from the model (CKPTFS_SOAK_SEED={self.seed}):\n  "
+                          + "\n  ".join(diff)
                           + "\nlast operations:\n  " + "\n  ".join(self.log[-15:]))
 
     def fresh_node(self) -> None:
@@ -360,5 +362,5 @@ def test_multinode_soak(make_mount: MakeMount, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_multinode_soak_long(make_mount: MakeMount, tmp_path: Path) -> None:
-    seed = int(os.environ.get("CKPTFS_SOAK_SEED", "7"))
+    seed = int(os.environ.get("CKPTFS_SOAK_SEED", str(int(time.time()))))
     soak(make_mount, tmp_path, seed, int(os.environ.get("CKPTFS_SOAK_ROUNDS", "12")), ops=15)
