@@ -226,20 +226,19 @@ class Refresher:
         markers: list[manifest.Entry] = []
         for e in m.entries:
             (markers if e.type == "f" and self.is_marker(e.path) else ordered).append(e)
+        dirs = set(self._dir_mtime)  # the directories it lists or needs (self.listed)
         for e in ordered + markers:
             present.add(e.path)
+            cut = e.path.rfind("/")
+            while cut > 0 and e.path[:cut] not in dirs:
+                dirs.add(e.path[:cut])
+                cut = e.path.rfind("/", 0, cut)
             try:
                 changed += self._apply_entry(node, e)
             except FsError as err:
                 log.warning("cannot import %s from node %s: %s", e.path, node, err)
             yield changed
         if node != self.node:
-            dirs = set(self._dir_mtime)
-            for e in m.entries:
-                cut = e.path.rfind("/")
-                while cut > 0 and e.path[:cut] not in dirs:
-                    dirs.add(e.path[:cut])
-                    cut = e.path.rfind("/", 0, cut)
             self.listed[node] = dirs
             for removed in self._remove_vanished(node, present):
                 yield changed + removed

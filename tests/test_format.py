@@ -298,13 +298,19 @@ def test_a_segment_is_sealed_at_max_seal_rows_and_bigger_seals_still_replay(
     close(index, log)
 
 
-def test_sealed_segment_table_matches_records(tmp_path: Path) -> None:
+def sealed_with_five_writes(tmp_path: Path) -> tuple[Index, SegmentLog, Namespace, int]:
+    """A log whose one sealed segment holds a file's CREATE and five 10-byte WRITEs."""
     index, log, ns = make(tmp_path)
     f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
     for i in range(5):
         ns.write(f, i * 10, b"x" * 10)
     seg = ns.seal("wait")
     assert seg is not None
+    return index, log, ns, seg
+
+
+def test_sealed_segment_table_matches_records(tmp_path: Path) -> None:
+    index, log, ns, seg = sealed_with_five_writes(tmp_path)
     info = index.get_segment(seg)
     assert info is not None and info.state == SegState.SEALED
     path = log.path(seg)
@@ -322,12 +328,7 @@ def test_the_seal_table_is_found_past_a_damaged_or_cut_off_footer(tmp_path: Path
     """Replay reads an older segment through its SEAL table, which the footer points at. A
     footer damaged, or cut short, must not hide the table (find_seal); a damaged SEAL record
     must not be taken for one."""
-    index, log, ns = make(tmp_path)
-    f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
-    for i in range(5):
-        ns.write(f, i * 10, b"x" * 10)
-    seg = ns.seal("wait")
-    assert seg is not None
+    index, log, ns, seg = sealed_with_five_writes(tmp_path)
     pristine = Path(log.path(seg)).read_bytes()
     close(index, log)
     seal_pos = fmt.parse_footer(pristine[-fmt.FOOTER_SIZE:])[0]

@@ -270,23 +270,14 @@ class Soak:
         m.start()
         self.log.append(f"{node}: waited, lost its NVMe, remounted empty")
 
+    # operation -> weight
+    OPS = {"checkpoint": 25, "link": 5, "shared_checkpoint": 7, "delete": 13, "common": 38,
+           "kill": 8, "lose_nvme": 4}
+
     def step(self) -> None:
         node = self.rnd.choice(NODES)
-        r = self.rnd.random()
-        if r < 0.25:
-            self.op_checkpoint(node)
-        elif r < 0.3:
-            self.op_link(node)
-        elif r < 0.37:
-            self.op_shared_checkpoint(node)
-        elif r < 0.5:
-            self.op_delete(node)
-        elif r < 0.88:
-            self.op_common(node)
-        elif r < 0.96:
-            self.op_kill(node)
-        else:
-            self.op_lose_nvme(node)
+        op = self.rnd.choices(list(self.OPS), weights=list(self.OPS.values()))[0]
+        getattr(self, f"op_{op}")(node)
 
     # -- convergence ----------------------------------------------------------------------
 
