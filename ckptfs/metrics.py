@@ -33,6 +33,8 @@ class Metrics:
         self.local_used = Gauge("ckptfs_local_bytes_used", "Segment bytes on NVMe", registry=r)
         self.local_free = Gauge("ckptfs_local_bytes_free", "Free bytes on NVMe", registry=r)
         self.errors = Gauge("ckptfs_drain_error", "1 while the drain is failing", registry=r)
+        self.failing = Gauge("ckptfs_drain_failing_seconds", "Seconds since the drain's first "
+                             "error after its last success (0 when healthy)", registry=r)
         self.evictions = Gauge("ckptfs_evictions", "Segments evicted from NVMe", registry=r)
         self.seals = Gauge("ckptfs_seals", "Segment seals by trigger", ["reason"], registry=r)
         self.retries = Counter("ckptfs_status_scrapes", "Metric refreshes", registry=r)
@@ -56,6 +58,7 @@ class Metrics:
         self.local_used.set(st["local_bytes_used"])
         self.local_free.set(st["local_bytes_free"])
         self.errors.set(1 if st["last_error"] else 0)
+        self.failing.set(st["failing_for_s"])
         self.evictions.set(st["cache"]["evictions"])
         for reason, n in st["seals"].items():
             self.seals.labels(reason).set(n)
