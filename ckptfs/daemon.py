@@ -326,6 +326,7 @@ class Daemon:
                                    fresh_nvme=not ident.get("adopted", True),
                                    interval=cfg.refresh_interval,
                                    markers=tuple(cfg.retention.markers))
+        self.ns.listed_by = self.refresher.listed_by
         try:
             errors: list[str] = []
             found = fetch_manifests(self.store, {}, errors)

@@ -86,9 +86,20 @@ def merged_view(store: SharedStore) -> View:
         raise ExportError(f"{store.base} holds no ckptfs shared store (no {store.root})")
     errors: list[str] = []
     found = fetch_manifests(store, {}, errors)
+    # versions another node deleted (or renamed away): hidden until their node drops them
+    tombs: dict[tuple[str, str], list[tuple[int, int, bool]]] = {}
+    for node, m in found.items():
+        for path, owner, mtime_ns, size, is_dir in m.gone:
+            if owner != node:
+                tombs.setdefault((path, owner), []).append((mtime_ns, size, is_dir))
     entries: dict[str, tuple[str, manifest.Entry]] = {}
     for node, m in sorted(found.items()):
         for e in m.entries:
+            gone = tombs.get((e.path, node))
+            if gone and any(d if e.type == "d" else (not d and t == e.mtime_ns
+                                                     and (e.type != "f" or s == e.size))
+                            for t, s, d in gone):
+                continue
             cur = entries.get(e.path)
             if cur is None or (e.mtime_ns, node) > (cur[1].mtime_ns, cur[0]):
                 entries[e.path] = (node, e)

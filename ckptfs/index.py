@@ -182,6 +182,7 @@ class Index:
         self.objids = self.env.open_db(b"objids")
         self.origins = self.env.open_db(b"origins")
         self.chunks = self.env.open_db(b"chunks")
+        self.gone = self.env.open_db(b"gone")
         self.txn = self.env.begin(write=True)
         self._dead: dict[int, int] = {}  # per segment, not yet in the segments db
         self._data: dict[int, int] = {}
@@ -243,7 +244,7 @@ class Index:
         """Forget everything (replay from the start of the log rebuilds it)."""
         for db in (self.meta, self.inodes, self.dirents, self.cookies, self.extents,
                    self.segments, self.xattrs, self.objrefs, self.objids, self.origins,
-                   self.chunks):
+                   self.chunks, self.gone):
             self.txn.drop(db, delete=False)
         self.applied = (0, 0, 0)
         self.next_ino = ROOT_INO + 1
@@ -478,6 +479,14 @@ class Index:
             self._apply_import(rec)
         elif t == RecType.LINK:
             self._apply_link(rec)
+        elif t == RecType.GONE:
+            body = json.loads(bytes(rec.payload))
+            key = os.fsencode(body["path"]) + b"\0" + body["node"].encode()
+            if body.get("drop"):
+                self.txn.delete(key, db=self.gone)
+            else:
+                self.txn.put(key, json.dumps([body["mtime_ns"], body["size"],
+                                              int(body.get("dir", 0))]).encode(), db=self.gone)
         elif t == RecType.TIER:
             body = json.loads(bytes(rec.payload))
             info = self.get_segment(int(body["seg"]))
@@ -547,6 +556,8 @@ class Index:
             ino.ctime_ns = rec.time_ns
             self.put_inode(ino)
             origin = {"node": body["origin"], "mtime_ns": body["mtime_ns"]}
+            if "path" in body:
+                origin["path"] = body["path"]
             self.txn.put(k_ino(rec.ino), json.dumps(origin).encode(), db=self.origins)
             return
         self._drop_extents(rec.ino)
@@ -558,6 +569,8 @@ class Index:
         self.put_inode(ino)
         origin = {"node": body["origin"], "mtime_ns": body["mtime_ns"], "size": body["size"],
                   "ext": self.extents_digest(body["extents"])}
+        if "path" in body:
+            origin["path"] = body["path"]
         self.txn.put(k_ino(rec.ino), json.dumps(origin).encode(), db=self.origins)
 
     def chunk(self, digest: bytes) -> tuple[int, int, int] | None:
@@ -596,6 +609,22 @@ class Index:
     def origin(self, ino: int) -> dict | None:
         raw = self.txn.get(k_ino(ino), db=self.origins)
         return json.loads(bytes(raw)) if raw is not None else None
+
+    def gone_get(self, path: str, node: str) -> tuple[int, int, bool] | None:
+        raw = self.txn.get(os.fsencode(path) + b"\0" + node.encode(), db=self.gone)
+        if raw is None:
+            return None
+        m, size, d = json.loads(bytes(raw))
+        return m, size, bool(d)
+
+    def iter_gone(self) -> Iterator[tuple[str, str, int, int, bool]]:
+        """(path, node, mtime_ns, size, is a directory): the other nodes' entries deleted or
+        renamed away here, which this node's manifest tells them about."""
+        with self.txn.cursor(db=self.gone) as cur:
+            for k, v in cur:
+                path, node = bytes(k).split(b"\0", 1)
+                m, size, d = json.loads(bytes(v))
+                yield os.fsdecode(path), node.decode(), m, size, bool(d)
 
     def _clear_origin(self, ino: int) -> None:
         self.txn.delete(k_ino(ino), db=self.origins)
@@ -719,9 +748,9 @@ class Index:
             # another node's file renamed here (or one under a directory renamed here: HF's
             # tmp-checkpoint-N -> checkpoint-N, with other nodes' shards in it) is this
             # node's from now on: it publishes the file under the new name, with extents in
-            # the other node's objects. The other node still publishes the old name, which
-            # comes back here at the next refresh: a rename of another node's file is a copy.
-            # Left that node's, the new name would be in no manifest (`wait` would say
+            # the other node's objects. The old name got a tombstone (GONE, written by the
+            # namespace before this record), so that node removes its version: a move. Left
+            # that node's, the new name would be in no manifest (`wait` would say
             # published) and be removed here once that node's next manifest does not list
             # it. (Not for a hard link or a chmod: the file would stay this node's under its
             # old name too, and the other node's deletes would no longer reach it.)

@@ -108,6 +108,9 @@ class Manifest:
     objects: dict[str, dict]
     entries: list[Entry]
     cold: str = ""  # the node's cold tier, where objects with "tier": "cold" are
+    # other nodes' entries deleted or renamed away on this node: (path, node, mtime_ns, size,
+    # is a directory); that node removes its version, readers hide it meanwhile
+    gone: list[tuple[str, str, int, int, bool]] = field(default_factory=list)
 
     def tier(self, obj: str) -> str:
         info = self.objects.get(obj)
@@ -248,7 +251,9 @@ def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_n
             w.add(f'{xsep}[{x.start},{x.length},"{obj}",{x.rec_pos},{x.skip},{x.rec_len}]')
             xsep = ","
         w.add("]}")
-    w.add('],"objects":' + _json({o: objects.get(o, {}) for o in sorted(used)}) + "}")
+    gone = [list(g) for g in index.iter_gone()]
+    w.add('],"gone":' + _json(gone) + ',"objects":'
+          + _json({o: objects.get(o, {}) for o in sorted(used)}) + "}")
     raw = w.finish()
     return MAGIC + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)) + raw
 
@@ -403,8 +408,19 @@ def parse(data: bytes, where: str = "manifest", entries: bool = True) -> Manifes
                 what = "a symlink" if kinds[parent] == "l" else "a file"
                 raise ManifestError(f"{e.path}: its parent {parent!r} is {what}, "
                                     f"not a directory")
+        gone = body.get("gone", [])
+        if not isinstance(gone, list):
+            raise ManifestError("bad gone list")
+        tombs: list[tuple[str, str, int, int, bool]] = []
+        for g in gone:
+            if not isinstance(g, list) or len(g) != 5 or not isinstance(g[1], str) \
+                    or not NODE_RE.match(g[1]) or g[4] not in (0, 1, False, True):
+                raise ManifestError(f"bad gone entry {g!r}")
+            tombs.append((_check_path(g[0]), g[1], _int(g[2], "gone mtime", -(1 << 63)),
+                          _int(g[3], "gone size"), bool(g[4])))
         return Manifest(node, _int(body.get("seq", 0), "seq"),
-                        _int(body.get("created_ns", 0), "created_ns"), objects, listed, cold)
+                        _int(body.get("created_ns", 0), "created_ns"), objects, listed, cold,
+                        tombs)
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}") from None
     except (ValueError, TypeError, zlib.error, struct.error, KeyError, OverflowError) as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import logging
 import os
 import stat
@@ -80,6 +81,9 @@ class Namespace:
         # directory -> its parent, for readdir's "..": the kernel looks a directory up (by its
         # parent) before it can open it, so lookups, mkdir and rename keep this complete
         self.dir_parent: dict[int, int] = {}
+        # the other nodes whose last manifest lists a directory path (set by the daemon from
+        # the refresher): a directory removed or renamed away here goes on them too
+        self.listed_by: Callable[[str], list[str]] = lambda path: []
         self.opens: dict[int, int] = {}  # open file handles per inode
         self.ops = OpCounts()
         self.last_write_ns = 0
@@ -274,7 +278,8 @@ class Namespace:
         self.lookups[ino] = self.lookups.get(ino, 0) + 1  # the reply is a new entry
         return self.inode(ino)
 
-    def unlink(self, parent: int, name: bytes, want_dir: bool) -> None:
+    def unlink(self, parent: int, name: bytes, want_dir: bool, propagate: bool = True) -> None:
+        """propagate=False for a refresh's removals: the entry's node removed it first."""
         self.ops.bump("rmdir" if want_dir else "unlink")
         if len(name) > NAME_MAX:
             raise FsError(errno.ENAMETOOLONG)
@@ -290,8 +295,82 @@ class Namespace:
                 raise FsError(errno.ENOTEMPTY)
         elif node.is_dir:
             raise FsError(errno.EISDIR)
+        gone: list[dict] = []
+        if propagate and node.nlink <= 1 + node.is_dir:
+            gone = self._tombstone(child, node)
+            if node.is_dir:
+                gone += self._tombstone_dir(self._path(parent, name))
         self.record(RecType.UNLINK, parent, 0, name)
         self._maybe_purge(child)
+        self._record_gone(gone)
+
+    def _record_gone(self, gone: list[dict]) -> None:
+        """The tombstones of a delete or rename, once it is in the log (a failed rename must
+        not have other nodes delete what is still there)."""
+        for body in gone:
+            self.record(RecType.GONE, 0, 0, json.dumps(body, separators=(",", ":")).encode())
+
+    def _tombstone(self, ino: int, node: Inode) -> list[dict]:
+        """The GONE record's body when `ino` is another node's (made or imported here for
+        it, and not changed here since): that node removes its version too, and the
+        manifests hide it meanwhile (remote.py: Refresher._apply_tombstones; export.py:
+        merged_view)."""
+        origin = self.index.origin(ino)
+        if origin is None or "path" not in origin or origin["node"] == self.log.node_id:
+            return []
+        return [{"path": origin["path"], "node": origin["node"],
+                 "mtime_ns": origin["mtime_ns"], "size": origin.get("size", 0),
+                 "dir": int(node.is_dir)}]
+
+    def _tombstone_dir(self, path: str | None) -> list[dict]:
+        """GONE bodies for a directory path removed here that other nodes list: each removes
+        its own once it is empty (HF's tmp-checkpoint-N, made by every node)."""
+        if path is None:
+            return []
+        return [{"path": path, "node": node, "mtime_ns": 0, "size": 0, "dir": 1}
+                for node in self.listed_by(path)]
+
+    def _path(self, parent: int, name: bytes) -> str | None:
+        """The path of `name` in directory `parent`, from the directories' parents the
+        lookups saw (None if one is unknown)."""
+        parts = [name]
+        d = parent
+        while d != ROOT_INO:
+            up = self.dir_parent.get(d)
+            if up is None:
+                return None
+            for _c, n, child in self.index.readdir(up, 0):
+                if child == d:
+                    parts.append(n)
+                    break
+            else:
+                return None
+            d = up
+        return "/".join(os.fsdecode(p) for p in reversed(parts))
+
+    def _tombstone_tree(self, ino: int, node: Inode, path: str | None) -> list[dict]:
+        """_tombstone for `ino` and, for a directory, everything under it (a rename moves the
+        entries away from the paths their nodes have them at), and _tombstone_dir for the
+        directories other nodes list."""
+        gone = self._tombstone(ino, node)
+        if not node.is_dir:
+            return gone
+        gone += self._tombstone_dir(path)
+        if not self.index.txn.stat(self.index.origins)["entries"]:
+            return gone  # nothing here came from other nodes
+        stack = [(ino, path)]
+        while stack:
+            d, dpath = stack.pop()
+            for _c, n, child in list(self.index.readdir(d, 0)):
+                c = self.index.get_inode(child)
+                if c is None:
+                    continue
+                gone += self._tombstone(child, c)
+                if c.is_dir:
+                    cpath = f"{dpath}/{os.fsdecode(n)}" if dpath is not None else None
+                    gone += self._tombstone_dir(cpath)
+                    stack.append((child, cpath))
+        return gone
 
     def rename(self, op: int, old: bytes, np_: int, new: bytes, flags: int) -> None:
         self.ops.bump("rename")
@@ -323,6 +402,14 @@ class Namespace:
                 raise FsError(errno.ENOTEMPTY)
         if dst == src:
             return
+        gone = self._tombstone_tree(src, snode, self._path(op, old) if snode.is_dir else None)
+        if dst is not None:
+            dnode = self.inode(dst)
+            if flags & RENAME_EXCHANGE:
+                gone += self._tombstone_tree(dst, dnode,
+                                             self._path(np_, new) if dnode.is_dir else None)
+            elif dnode.nlink <= 1 + dnode.is_dir:
+                gone += self._tombstone(dst, dnode)
         self.record(RecType.RENAME, 0, 0, fmt.rename_body(op, old, np_, new, flags))
         if snode.is_dir:
             self.dir_parent[src] = np_
@@ -330,6 +417,7 @@ class Namespace:
             self.dir_parent[dst] = op
         if dst is not None and not flags & RENAME_EXCHANGE:
             self._maybe_purge(dst)
+        self._record_gone(gone)
 
     def setattr(self, ino: int, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, size: int | None = None, atime_ns: int | None = None,

@@ -122,6 +122,9 @@ class Refresher:
         # the directories each other node's last imported manifest has (or needs for its
         # entries): a directory made here for one node stays while any of them lists it
         self.listed: dict[str, set[str]] = {}
+        # the tombstones in each other node's last manifest: (path, owner) -> (mtime_ns,
+        # size, is a directory): the owner's version of path that node deleted
+        self.tombs: dict[str, dict[tuple[str, str], tuple[int, int, bool]]] = {}
 
     async def run(self) -> None:
         while True:
@@ -188,6 +191,9 @@ class Refresher:
         """Import manifests one entry at a time: yields the changes so far after each (and
         once at the end), so that a caller may serve requests in between."""
         n = 0
+        for node, m in found.items():  # all of them first: no import of a deleted version
+            if node != self.node:
+                self.tombs[node] = {(p, x): (mt, sz, d) for p, x, mt, sz, d in m.gone}
         for node, m in sorted(found.items()):
             if m.cold and node not in self.ns.reader.cold_by_node:
                 from ckptfs.shared import open_store
@@ -204,6 +210,11 @@ class Refresher:
                     for changed in self._apply(node, m):
                         yield n + changed
                     n += changed
+                    for path, owner, mtime_ns, size, is_dir in m.gone:  # still to be done
+                        body = {"path": path, "node": owner, "mtime_ns": mtime_ns,
+                                "size": size, "dir": int(is_dir)}
+                        self.ns.record(RecType.GONE, 0, 0,
+                                       json.dumps(body, separators=(",", ":")).encode())
                 self.seen[node] = m.seq
                 continue
             self.deferred = False
@@ -243,6 +254,9 @@ class Refresher:
             for removed in self._remove_vanished(node, present):
                 yield changed + removed
             changed += removed
+            changed += self._apply_tombstones(node)
+            self._drop_tombstones(node, m)
+            yield changed
         if changed:
             log.info("imported %d changes from node %s (manifest %016x)", changed, node, m.seq)
         self.imported += changed
@@ -256,7 +270,7 @@ class Refresher:
         of `ls` and `export`, which drops everything below a path whose winner is a file."""
         parts = [os.fsencode(p) for p in path.split("/")]
         parent = ROOT_INO
-        for comp in parts[:-1]:
+        for i, comp in enumerate(parts[:-1]):
             child = self.ns.index.lookup(parent, comp)
             if child is not None:
                 node = self.ns.index.get_inode(child)
@@ -265,19 +279,108 @@ class Refresher:
                     mine = (node.mtime_ns, origin["node"] if origin else self.node)
                     if node_id and winner((mtime_ns, node_id), mine) \
                             and not self.ns.opens.get(child):
-                        self.ns.unlink(parent, comp, want_dir=False)
+                        self.ns.unlink(parent, comp, want_dir=False, propagate=False)
                         child = None
                     else:
                         raise FsError(20, f"{path}: a parent is a newer file here")
             if child is None:
                 parent = self.ns.make_node(parent, comp, stat.S_IFDIR | 0o755, 0, 0).ino
                 if node_id:
-                    self._mark(parent, node_id, mtime_ns)
+                    self._mark(parent, node_id, mtime_ns,
+                               "/".join(os.fsdecode(p) for p in parts[:i + 1]))
                 continue
             parent = child
         return parent, parts[-1]
 
+    def listed_by(self, path: str) -> list[str]:
+        """The other nodes whose last manifest lists directory `path` (or needs it)."""
+        return [node for node, dirs in self.listed.items() if path in dirs]
+
+    def _deleted(self, owner: str, e: manifest.Entry) -> bool:
+        """Did another node (or this one) delete `owner`'s version of entry e?"""
+        def match(t: tuple[int, int, bool] | None) -> bool:
+            if t is None:
+                return False
+            if e.type == "d" or t[2]:
+                return e.type == "d" and t[2]
+            return t[0] == e.mtime_ns and (e.type != "f" or t[1] == e.size)
+        if match(self.ns.index.gone_get(e.path, owner)):
+            return True
+        return any(match(t.get((e.path, owner))) for y, t in self.tombs.items()
+                   if y != owner and t)
+
+    def _apply_tombstones(self, node: str) -> int:
+        """Remove the versions `node`'s manifest says it deleted: this node's own (then it
+        publishes them no more) and copies of a third node's. Directories after the rest,
+        once empty; and a directory emptied by these removals, once no node lists it (HF's
+        tmp-checkpoint-N, renamed by one node, made by each)."""
+        idx = self.ns.index
+        n = 0
+        emptied: set[str] = set()
+        items = sorted(self.tombs.get(node, {}).items(),
+                       key=lambda kv: (kv[1][2], -kv[0][0].count("/")))
+        for (path, owner), (mtime_ns, size, is_dir) in items:
+            where = self._lookup_parent(path)
+            cur = idx.lookup(*where) if where is not None else None
+            if cur is None:
+                continue
+            ino = idx.get_inode(cur)
+            origin = idx.origin(cur)
+            if ino is None or ino.is_dir != is_dir:
+                continue
+            mine = origin is None or origin.get("node") == self.node
+            if is_dir:  # a directory path removed there that this node lists: once empty
+                if owner != self.node or not idx.dir_is_empty(cur):
+                    continue
+            elif owner != (self.node if mine else origin.get("node")):
+                continue
+            elif ino.mtime_ns != mtime_ns or (stat.S_ISREG(ino.mode) and ino.size != size) \
+                    or (not mine and origin.get("mtime_ns") != mtime_ns):
+                continue  # another version than the one deleted there
+            if self.ns.opens.get(cur):
+                self.deferred = True
+                continue
+            try:
+                self.ns.unlink(*where, want_dir=is_dir, propagate=False)
+            except FsError:
+                continue
+            n += 1
+            self.gone.append((*where, cur))
+            if "/" in path:
+                emptied.add(path.rsplit("/", 1)[0])
+        for d in sorted(emptied, key=lambda p: -p.count("/")):
+            while d and not any(d in ds for y, ds in self.listed.items()):
+                where = self._lookup_parent(d)
+                cur = idx.lookup(*where) if where is not None else None
+                if cur is None or not idx.dir_is_empty(cur):
+                    break
+                try:
+                    self.ns.unlink(*where, want_dir=True, propagate=False)
+                except FsError:
+                    break
+                n += 1
+                self.gone.append((*where, cur))
+                d = d.rsplit("/", 1)[0] if "/" in d else ""
+        return n
+
+    def _drop_tombstones(self, node: str, m: manifest.Manifest) -> None:
+        """This node's tombstones for `node` that its manifest no longer needs: it does not
+        list that version any more (it removed it, or has another)."""
+        mine = [g for g in self.ns.index.iter_gone() if g[1] == node]
+        if not mine:
+            return
+        listed = {e.path: e for e in m.entries}
+        for path, owner, mtime_ns, size, is_dir in mine:
+            e = listed.get(path)
+            if e is not None and (e.type == "d" if is_dir else
+                                  e.mtime_ns == mtime_ns and (e.type != "f" or e.size == size)):
+                continue
+            body = {"path": path, "node": owner, "drop": 1}
+            self.ns.record(RecType.GONE, 0, 0, json.dumps(body, separators=(",", ":")).encode())
+
     def _apply_entry(self, node: str, e: manifest.Entry) -> int:
+        if node != self.node and self._deleted(node, e):
+            return 0  # deleted here or elsewhere: not brought back (_apply_tombstones)
         parent, name = self._parent(e.path, node, self._dir_mtime.get(e.path.rsplit("/", 1)[0],
                                                                       e.mtime_ns))
         idx = self.ns.index
@@ -285,7 +388,7 @@ class Refresher:
         if e.type == "d":
             if cur is None:
                 ino = self.ns.make_node(parent, name, stat.S_IFDIR | e.mode, e.uid, e.gid).ino
-                self._mark(ino, node, e.mtime_ns)
+                self._mark(ino, node, e.mtime_ns, e.path)
                 return 1
             return 0
         if e.type == "l":
@@ -312,7 +415,7 @@ class Refresher:
             self.deferred = True
             return 0  # never swap a file under an open handle; next refresh looks again
         if local.nlink > 1:  # a hard link here: the newer version replaces this name only
-            self.ns.unlink(parent, name, want_dir=False)
+            self.ns.unlink(parent, name, want_dir=False, propagate=False)
             ino = self.ns.make_node(parent, name, stat.S_IFREG | e.mode, e.uid, e.gid).ino
             self._import(ino, node, e)
             return 1
@@ -329,7 +432,7 @@ class Refresher:
         if cur is None:
             ino = self.ns.make_node(parent, name, stat.S_IFLNK | 0o777, e.uid, e.gid,
                                     target=os.fsencode(e.target)).ino
-            self._mark(ino, node, e.mtime_ns)
+            self._mark(ino, node, e.mtime_ns, e.path)
             return 1
         local = idx.get_inode(cur)
         if local is None or not stat.S_ISLNK(local.mode):
@@ -341,22 +444,23 @@ class Refresher:
         elif not winner((e.mtime_ns, node), (local.mtime_ns,
                                               origin["node"] if origin else self.node)):
             return 0
-        self._mark(cur, node, e.mtime_ns, e.target)
+        self._mark(cur, node, e.mtime_ns, e.path, e.target)
         self.invalidate.append(cur)
         return 1
 
-    def _mark(self, ino: int, node: str, mtime_ns: int, target: str | None = None) -> None:
+    def _mark(self, ino: int, node: str, mtime_ns: int, path: str,
+              target: str | None = None) -> None:
         """IMPORT for a directory or symlink made (or updated) for `node`: it follows that
         node's manifests from now on (index.py: _apply_import)."""
         body: dict[str, Any] = {"origin": node, "size": 0, "mtime_ns": mtime_ns,
-                                "extents": []}
+                                "extents": [], "path": path}
         if target is not None:
             body["target"] = target
         self.ns.record(RecType.IMPORT, ino, 0, json.dumps(body, separators=(",", ":")).encode())
 
     def _import(self, ino: int, node: str, e: manifest.Entry) -> None:
         body = {"origin": node, "size": e.size, "mtime_ns": e.mtime_ns,
-                "extents": [list(x) for x in e.extents]}
+                "extents": [list(x) for x in e.extents], "path": e.path}
         self.ns.record(RecType.IMPORT, ino, 0, json.dumps(body, separators=(",", ":")).encode())
 
     def _remove_vanished(self, node: str, present: set[str]) -> Iterator[int]:
@@ -394,7 +498,7 @@ class Refresher:
                 continue  # something else is in it: it stays
             parent, name = where
             try:
-                self.ns.unlink(parent, name, want_dir=is_dir)
+                self.ns.unlink(parent, name, want_dir=is_dir, propagate=False)
                 n += 1
                 self.removed += 1
                 self.gone.append((parent, name, ino_nr))

@@ -72,10 +72,13 @@ class RecType:
     LINK = 13  # ino: a new directory entry for an existing file (hard link); payload = LinkBody
     PAD = 14  # payload = zeros: fills the log up to a 4 KiB boundary around direct writes;
     #           readers skip it; ino, offset, time and seq are 0; never in a SEAL table
+    GONE = 15  # payload = JSON {"path", "node", "mtime_ns", "size", "dir"}: another node's
+    #            entry was deleted or renamed away here (a tombstone this node publishes),
+    #            or {"path", "node", "drop": 1}: that tombstone is done with
 
     NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
              7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC", 11: "REF", 12: "TIER",
-             13: "LINK", 14: "PAD"}
+             13: "LINK", 14: "PAD", 15: "GONE"}
 
 
 DATA_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -337,7 +340,7 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                  read_payload_types: frozenset[int] = frozenset(
                      {RecType.CREATE, RecType.UNLINK, RecType.RENAME, RecType.SETATTR,
                       RecType.PURGE, RecType.XATTR, RecType.IMPORT, RecType.REF,
-                      RecType.TIER, RecType.LINK}),
+                      RecType.TIER, RecType.LINK, RecType.GONE}),
                  result: ScanResult | None = None,
                  table: dict[int, tuple] | None = None) -> Iterator[Record]:
     """Yield verified records from `start`. Data payloads are checksummed but not returned

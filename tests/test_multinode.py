@@ -284,6 +284,47 @@ def test_deleted_directories_and_moved_symlinks_reach_every_node(make_mount: Mak
     assert set(export_files(a.shared, "", tmp_path / "out")) == {"b.txt", "step_2/y"}
 
 
+def test_a_delete_or_rename_of_another_nodes_files_reaches_that_node(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """As on one shared filesystem: n1 deletes a file n0 wrote, and renames a tmp-checkpoint
+    both wrote into: n0's file goes on n0 too (a tombstone in n1's manifest), n0's shard
+    leaves the old name for the new one everywhere, and nothing comes back when n0 publishes
+    again. A version n0 rewrote after n1's copy was deleted stays. Tombstones go from n1's
+    manifest once n0 no longer lists what they name."""
+    a, b = two_nodes(make_mount)
+    write_tree(a.mnt, {"step_1/x": b"x", "step_1/y": b"old y",
+                       "tmp-checkpoint-5/shard0": b"s0"})
+    os.symlink("step_1", a.mnt / "latest")
+    write_tree(b.mnt, {"tmp-checkpoint-5/shard1": b"s1"})
+    for m in (a, b):
+        wait_published(m.mnt)
+    for m in (a, b):
+        status(m, refresh=True)
+    assert (b.mnt / "tmp-checkpoint-5/shard0").read_bytes() == b"s0"
+    write_tree(a.mnt, {"step_1/y": b"new y"})  # n1 has not seen this one yet
+    os.unlink(b.mnt / "step_1/x")
+    os.unlink(b.mnt / "step_1/y")
+    os.unlink(b.mnt / "latest")
+    os.rename(b.mnt / "tmp-checkpoint-5", b.mnt / "checkpoint-5")
+    wait_published(a.mnt)
+    wait_published(b.mnt)
+    status(a, refresh=True)
+    assert walk_mount(a.mnt) == {"step_1/y", "checkpoint-5/shard0", "checkpoint-5/shard1"}, \
+        walk_mount(a.mnt)
+    assert sorted(os.listdir(a.mnt)) == ["checkpoint-5", "step_1"], sorted(os.listdir(a.mnt))
+    assert (a.mnt / "step_1/y").read_bytes() == b"new y"
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    want = {"step_1/y": b"new y", "checkpoint-5/shard0": b"s0", "checkpoint-5/shard1": b"s1"}
+    assert_tree(want, b.mnt, "n1 after n0 published again")
+    assert sorted(os.listdir(b.mnt)) == ["checkpoint-5", "step_1"], sorted(os.listdir(b.mnt))
+    assert export_files(a.shared, "", tmp_path / "out") == want
+    wait_published(b.mnt)  # n1's manifest after it saw n0 drop the deleted versions
+    newest = manifest.parse(manifests(a.shared, "n1")[-1].read_bytes())
+    assert newest.gone == [], newest.gone
+    assert_fsck_clean(a.shared)
+
+
 def test_open_file_is_not_swapped_under_its_reader(make_mount: MakeMount) -> None:
     a, b = two_nodes(make_mount)
     v1, v2 = blob("v1", 1 << 20), blob("v2", 1 << 20)
@@ -429,11 +470,11 @@ def test_retention_never_takes_a_checkpoint_brought_back_by_another_node_for_the
     assert_files(newest, b.mnt, "a's newest checkpoints, seen from b")
 
 
-def test_renaming_another_nodes_file_makes_a_copy_that_is_published(
+def test_renaming_another_nodes_file_moves_it_everywhere(
         make_mount: MakeMount, tmp_path: Path) -> None:
-    """n1 renames a file it imported from n0: the file becomes n1's, so `wait` on n1 means
-    published (SHARED and `export` have it), and n0's next manifest, which still lists the
-    old name, brings that back as well instead of undoing the rename. A chmod of another of
+    """n1 renames a file it imported from n0: the file becomes n1's under the new name, so
+    `wait` on n1 means published (SHARED and `export` have it), and n0's version under the
+    old name goes on n0 too (n1's manifest says n1 moved it away). A chmod of another of
     n0's files does not take it over: n0's delete of it still reaches n1."""
     a, b = two_nodes(make_mount)
     f, k = blob("f", 70_000), blob("k", 500)
@@ -444,18 +485,18 @@ def test_renaming_another_nodes_file_makes_a_copy_that_is_published(
     os.chmod(b.mnt / "step_1/k", 0o644)  # the mode it has: a chmod -R
     wait_published(b.mnt / "step_1")
     listed = {e["path"] for e in ls_json(a.shared) if e["type"] == "f"}
-    assert "step_1/g" in listed, sorted(listed)
+    assert listed == {"step_1/g", "step_1/k"}, sorted(listed)
     assert export_files(a.shared, "step_1", tmp_path / "out")["g"] == f
+    status(a, refresh=True)
+    assert walk_mount(a.mnt) == {"step_1/g", "step_1/k"}, walk_mount(a.mnt)
     os.unlink(a.mnt / "step_1/k")
     write_tree(a.mnt, {"other": b"n0 publishes again"})
     wait_published(a.mnt / "other")
     status(b, refresh=True)
-    assert wait_for(lambda: walk_mount(b.mnt) >= {"step_1/f", "step_1/g"}
-                    and "step_1/k" not in walk_mount(b.mnt), SEEN_WITHIN,
-                    "n1 to see n0's f again and its delete of k")
+    assert wait_for(lambda: walk_mount(b.mnt) == {"step_1/g", "other"}, SEEN_WITHIN,
+                    "n1 to see n0's delete of k, and f not back")
     assert (b.mnt / "step_1/g").read_bytes() == f
-    status(a, refresh=True)
-    assert (a.mnt / "step_1/g").read_bytes() == f  # n0 sees n1's copy
+    assert (a.mnt / "step_1/g").read_bytes() == f  # n0 sees n1's file
     assert "step_1/k" not in {e["path"] for e in ls_json(a.shared)}
     assert_fsck_clean(a.shared)
 
@@ -464,7 +505,7 @@ def test_renaming_a_directory_with_another_nodes_files_keeps_them_under_the_new_
         make_mount: MakeMount, tmp_path: Path) -> None:
     """HF's pattern across nodes: every node writes its shards into tmp-checkpoint-5, then
     node 0 renames it to checkpoint-5. The other node's shards under the renamed directory
-    become node 0's (a copy, as for a renamed file): checkpoint-5 is whole on SHARED, in
+    become node 0's (moved, as a renamed file is): checkpoint-5 is whole on SHARED, in
     `export`, and on node 0 after the other node publishes again."""
     a, b = two_nodes(make_mount)
     mine, theirs = blob("s0", 300_000), blob("s1", 300_000)
@@ -488,7 +529,7 @@ def test_renaming_a_directory_with_another_nodes_files_keeps_them_under_the_new_
 def test_gc_follows_the_other_nodes_newest_manifests(make_mount: MakeMount) -> None:
     """GC keeps this node's objects that another node's newest manifest names. It parses each
     node's manifest once per new sequence number and keeps what it referenced: here n0's GC
-    has read n1's manifest before n1 took over n0's file (a rename: a copy whose extents stay
+    has read n1's manifest before n1 took over n0's file (a rename: n1's now, its extents stay
     in n0's object). n0 then deletes its own name of the file, so nothing of n0's needs the
     object any more; its GC must read n1's newer manifest and keep the object, which n1 reads.
     Once n1 deletes its copy too, n0's GC deletes the object."""
