@@ -340,28 +340,31 @@ class Refresher:
             if self.ns.opens.get(cur):
                 self.deferred = True
                 continue
-            try:
-                self.ns.unlink(*where, want_dir=is_dir, propagate=False)
-            except FsError:
+            if not self._remove(where, cur, is_dir):
                 continue
             n += 1
-            self.gone.append((*where, cur))
             if "/" in path:
                 emptied.add(path.rsplit("/", 1)[0])
         for d in sorted(emptied, key=lambda p: -p.count("/")):
             while d and not any(d in ds for y, ds in self.listed.items()):
                 where = self._lookup_parent(d)
                 cur = idx.lookup(*where) if where is not None else None
-                if cur is None or not idx.dir_is_empty(cur):
-                    break
-                try:
-                    self.ns.unlink(*where, want_dir=True, propagate=False)
-                except FsError:
+                if cur is None or not idx.dir_is_empty(cur) or not self._remove(where, cur, True):
                     break
                 n += 1
-                self.gone.append((*where, cur))
                 d = d.rsplit("/", 1)[0] if "/" in d else ""
         return n
+
+    def _remove(self, where: tuple[int, bytes], ino: int, is_dir: bool) -> bool:
+        """A refresh's removal: no tombstone (its node removed it first), and the kernel
+        forgets the name at once (after the refresh)."""
+        try:
+            self.ns.unlink(*where, want_dir=is_dir, propagate=False)
+        except FsError:
+            return False
+        self.removed += 1
+        self.gone.append((*where, ino))
+        return True
 
     def _drop_tombstones(self, node: str, m: manifest.Manifest) -> None:
         """This node's tombstones for `node` that its manifest no longer needs: it does not
@@ -496,14 +499,8 @@ class Refresher:
                 continue  # renamed, replaced or removed here meanwhile
             if is_dir and not self.ns.index.dir_is_empty(ino_nr):
                 continue  # something else is in it: it stays
-            parent, name = where
-            try:
-                self.ns.unlink(parent, name, want_dir=is_dir, propagate=False)
+            if self._remove(where, ino_nr, is_dir):
                 n += 1
-                self.removed += 1
-                self.gone.append((parent, name, ino_nr))
-            except FsError:
-                pass
         yield n
 
     def _walk(self, batch: int = 1000) -> Iterator[tuple[str, int, bool] | None]:
