@@ -96,9 +96,7 @@ def merged_view(store: SharedStore) -> View:
     for node, m in sorted(found.items()):
         for e in m.entries:
             gone = tombs.get((e.path, node))
-            if gone and any(d if e.type == "d" else (not d and t == e.mtime_ns
-                                                     and (e.type != "f" or s == e.size))
-                            for t, s, d in gone):
+            if gone and any(manifest.deleted_version(e, *t) for t in gone):
                 continue
             cur = entries.get(e.path)
             if cur is None or (e.mtime_ns, node) > (cur[1].mtime_ns, cur[0]):

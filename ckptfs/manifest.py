@@ -120,6 +120,14 @@ class Manifest:
         return (e for e in self.entries if e.type == "f")
 
 
+def deleted_version(e: Entry, mtime_ns: int, size: int, is_dir: bool) -> bool:
+    """Is `e` the version a tombstone (mtime, size, is a directory) names? A directory
+    whatever its version; a symlink by its mtime; a file by its mtime and size."""
+    if e.type == "d" or is_dir:
+        return e.type == "d" and is_dir
+    return e.mtime_ns == mtime_ns and (e.type != "f" or e.size == size)
+
+
 def obj_name(node: str, seg: int) -> str:
     return f"{node}/{seg:016x}"
 

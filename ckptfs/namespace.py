@@ -302,11 +302,12 @@ class Namespace:
                 gone += self._tombstone_dir(self._path(parent, name))
         self.record(RecType.UNLINK, parent, 0, name)
         self._maybe_purge(child)
-        self._record_gone(gone)
+        self.record_gone(gone)
 
-    def _record_gone(self, gone: list[dict]) -> None:
-        """The tombstones of a delete or rename, once it is in the log (a failed rename must
-        not have other nodes delete what is still there)."""
+    def record_gone(self, gone: list[dict]) -> None:
+        """GONE records for these bodies. A delete or rename writes its tombstones once it is
+        in the log itself: a failed rename must not have other nodes delete what is still
+        there."""
         for body in gone:
             self.record(RecType.GONE, 0, 0, json.dumps(body, separators=(",", ":")).encode())
 
@@ -417,7 +418,7 @@ class Namespace:
             self.dir_parent[dst] = op
         if dst is not None and not flags & RENAME_EXCHANGE:
             self._maybe_purge(dst)
-        self._record_gone(gone)
+        self.record_gone(gone)
 
     def setattr(self, ino: int, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, size: int | None = None, atime_ns: int | None = None,

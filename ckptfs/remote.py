@@ -210,11 +210,9 @@ class Refresher:
                     for changed in self._apply(node, m):
                         yield n + changed
                     n += changed
-                    for path, owner, mtime_ns, size, is_dir in m.gone:  # still to be done
-                        body = {"path": path, "node": owner, "mtime_ns": mtime_ns,
-                                "size": size, "dir": int(is_dir)}
-                        self.ns.record(RecType.GONE, 0, 0,
-                                       json.dumps(body, separators=(",", ":")).encode())
+                    self.ns.record_gone([  # its tombstones still to be done
+                        {"path": path, "node": owner, "mtime_ns": mtime_ns, "size": size,
+                         "dir": int(is_dir)} for path, owner, mtime_ns, size, is_dir in m.gone])
                 self.seen[node] = m.seq
                 continue
             self.deferred = False
@@ -298,16 +296,12 @@ class Refresher:
 
     def _deleted(self, owner: str, e: manifest.Entry) -> bool:
         """Did another node (or this one) delete `owner`'s version of entry e?"""
-        def match(t: tuple[int, int, bool] | None) -> bool:
-            if t is None:
-                return False
-            if e.type == "d" or t[2]:
-                return e.type == "d" and t[2]
-            return t[0] == e.mtime_ns and (e.type != "f" or t[1] == e.size)
-        if match(self.ns.index.gone_get(e.path, owner)):
+        mine = self.ns.index.gone_get(e.path, owner)
+        if mine is not None and manifest.deleted_version(e, *mine):
             return True
-        return any(match(t.get((e.path, owner))) for y, t in self.tombs.items()
-                   if y != owner and t)
+        return any((t := tombs.get((e.path, owner))) is not None
+                   and manifest.deleted_version(e, *t)
+                   for y, tombs in self.tombs.items() if y != owner and tombs)
 
     def _apply_tombstones(self, node: str) -> int:
         """Remove the versions `node`'s manifest says it deleted: this node's own (then it
@@ -373,13 +367,10 @@ class Refresher:
         if not mine:
             return
         listed = {e.path: e for e in m.entries}
-        for path, owner, mtime_ns, size, is_dir in mine:
-            e = listed.get(path)
-            if e is not None and (e.type == "d" if is_dir else
-                                  e.mtime_ns == mtime_ns and (e.type != "f" or e.size == size)):
-                continue
-            body = {"path": path, "node": owner, "drop": 1}
-            self.ns.record(RecType.GONE, 0, 0, json.dumps(body, separators=(",", ":")).encode())
+        self.ns.record_gone([{"path": path, "node": owner, "drop": 1}
+                             for path, owner, mtime_ns, size, is_dir in mine
+                             if (e := listed.get(path)) is None
+                             or not manifest.deleted_version(e, mtime_ns, size, is_dir)])
 
     def _apply_entry(self, node: str, e: manifest.Entry) -> int:
         if node != self.node and self._deleted(node, e):
