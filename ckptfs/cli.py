@@ -64,8 +64,14 @@ def cmd_replay(a: argparse.Namespace) -> int:
     store = None
     shared = a.shared or ident.get("shared")  # where the last mount drained to
     if shared:
-        from ckptfs.shared import open_store
+        from ckptfs.shared import answers, open_store
 
+        if not shared.startswith("s3://"):
+            try:
+                answers(shared)
+            except SharedError as e:
+                raise CliError(f"SHARED {e}; replay reads this node's published segments "
+                               f"there") from None
         store = open_store(shared)
         if ident.get("cold"):
             from ckptfs.coldtier import Tiered
@@ -156,6 +162,11 @@ def _status_table(st: dict) -> Any:
         ("last error", (f"{st['last_error']} (failing for {st.get('failing_for_s', 0):.0f} s)"
                         if st["last_error"] else "none")),
     ]
+    stall = st.get("shared_stalled_s") or 0
+    if stall >= 2:  # a daemon from before this field has none
+        rows.append(("shared store", f"no answer for {stall:.0f} s"
+                     + (f" (waiting: {st['shared_stalled_on']})"
+                        if st.get("shared_stalled_on") else "")))
     for k, v in rows:
         t.add_row(k, str(v))
     return t

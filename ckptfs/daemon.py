@@ -10,6 +10,8 @@ import logging
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -27,8 +29,8 @@ from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.drain import PUBLISHED_DIR
 from ckptfs.index import VSEG_BIT, ROOT_INO, Index, IndexCommitError, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
-from ckptfs.shared import (PUBLISH_BATCH, SharedError, SharedStore, check_node_id,
-                           describe_oserror, open_store)
+from ckptfs.shared import (ANSWER_TIMEOUT, PUBLISH_BATCH, SharedError, SharedStore, answers,
+                           check_node_id, describe_oserror, describe_stall, open_store)
 from ckptfs.log import PIPELINE, SegmentLog
 from ckptfs.namespace import Namespace
 from ckptfs.reads import Reader
@@ -36,6 +38,9 @@ from ckptfs.recovery import replay
 
 log = logging.getLogger(__name__)
 DEFRAG_INTERVAL = 1.0  # seconds between looks for files that small writes fragmented
+# once unmounted, the daemon waits this long (s) for a shared store that has stopped
+# answering before it exits without it, as a SIGKILL would leave things
+EXIT_GRACE = float(os.environ.get("CKPTFS_EXIT_GRACE", "5"))
 
 
 @dataclass
@@ -201,12 +206,14 @@ class Daemon:
     def prepare(self) -> None:
         """Everything that can fail with a clear message, before the mount exists."""
         cfg = self.cfg
-        for what, d in (("NVME", cfg.nvme), ("SHARED", cfg.shared),
-                        ("MOUNTPOINT", cfg.mountpoint)):
-            if what == "SHARED" and d.startswith("s3://"):
-                continue
+        for what, d in (("NVME", cfg.nvme), ("MOUNTPOINT", cfg.mountpoint)):
             if not os.path.isdir(d):
                 raise CliError(f"{what} directory {d} does not exist")
+        if not cfg.shared.startswith("s3://"):
+            try:
+                answers(cfg.shared)
+            except SharedError as e:
+                raise CliError(f"SHARED {e}") from None
         if not os.path.exists("/dev/fuse"):
             raise CliError("/dev/fuse is missing: load the fuse module or run the container "
                            "with --device /dev/fuse")
@@ -299,6 +306,7 @@ class Daemon:
                            self.commit_index, cfg.upload_streams, cfg.upload_limit,
                            cfg.publish_batch)
         self.drain.manifest_floor = int(ident.get("adopted_seq", 0))
+        self.drain.stalled = self.shared_stall
         self.cache = LocalCache(cfg.nvme, self.index, self.reader, self.seglog.path,
                                 lambda: self.seglog.tail if self.seglog.fd >= 0 else 0,
                                 cfg.cache)
@@ -436,6 +444,8 @@ class Daemon:
                          "in NVME and are published after the next mount", len(pending),
                          sum(size for _s, size in pending))
             self.drain.stop_uploads()
+            threading.Thread(target=self._exit_without_the_store, name="ckptfs-exit-watch",
+                             daemon=True).start()
             nursery.cancel_scope.cancel()
 
     async def _tune_read_ahead(self) -> None:
@@ -494,6 +504,35 @@ class Daemon:
                     log.warning("defragmenting inode %d stopped: %s", ino, e)
                 except Exception:  # never let housekeeping take the mount down
                     log.exception("defragmenting inode %d failed", ino)
+
+    def shared_stall(self) -> tuple[float, str]:
+        """(seconds without an answer, what waits) of the shared store, or of the cold
+        tier's if that one has gone silent longer (shared.Watch)."""
+        stores = [getattr(self, "store", None), getattr(self, "cold", None)]
+        return max((st.watch.stalled() for st in stores if st is not None),
+                   default=(0.0, ""))
+
+    def _exit_without_the_store(self) -> None:
+        """Unmounted, with calls into a shared store that does not answer: they would hold
+        the exit forever (a thread blocked in an NFS or FUSE request cannot be interrupted
+        from Python). Exit without them once the store has been silent for EXIT_GRACE.
+        Nothing is lost: what the calls were for is redone after the next mount, as after
+        a SIGKILL, and the log the next mount replays is flushed first."""
+        while True:
+            time.sleep(0.5)
+            stall, what = self.shared_stall()
+            if stall >= EXIT_GRACE:
+                break
+        log.error("unmounted, but %s: exiting without it; what it owes is published after "
+                  "the next mount", describe_stall(stall, what))
+        try:
+            if self.seglog.fd >= 0:
+                os.fdatasync(self.seglog.fd)
+            os.fsync(self.seglog.dir_fd)
+        except OSError as e:
+            log.error("flushing the log before exiting: %s", e)
+        logging.shutdown()
+        os._exit(0)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -622,6 +661,7 @@ class Daemon:
             data += info.data
         du = shutil.disk_usage(self.cfg.nvme)
         st = self.seglog.stats
+        stall = self.shared_stall()
         return {
             "mountpoint": self.cfg.mountpoint, "nvme": self.cfg.nvme, "shared": self.cfg.shared,
             "node_id": self.cfg.node_id, "pid": os.getpid(),
@@ -656,6 +696,8 @@ class Daemon:
             "last_error": self.drain.stats.last_error,
             "failing_for_s": (round(time.monotonic() - self.drain.stats.failing_since, 1)
                               if self.drain.stats.failing_since is not None else 0.0),
+            # a hung store fails nothing: how long it has not answered while calls wait
+            "shared_stalled_s": round(stall[0], 1), "shared_stalled_on": stall[1],
             "remote": self.refresher.status(),
             "cache": self.cache.status(),
             "live_data_bytes": live, "segment_data_bytes": data,
@@ -716,15 +758,45 @@ def tune_read_ahead(mountpoint: str, kb: int = 1024) -> bool:
         return getattr(e, "errno", None) in (errno.EACCES, errno.EROFS, errno.EPERM)
 
 
+def _give_up_on_a_silent_store(d: Daemon, ready_fd: int, settled: threading.Event) -> None:
+    """Until the mount is up: if the shared store stops answering (ANSWER_TIMEOUT) while
+    the daemon prepares (it reads this node's objects and the other nodes' manifests), say
+    so in one line and exit, as `mount` does when the store is silent from the start. Nothing
+    is mounted yet, and what was written to NVME is as after a SIGKILL."""
+    while not settled.wait(0.5):  # set once mounted, or once the start failed
+        stall, what = d.shared_stall()
+        if 0 < ANSWER_TIMEOUT <= stall:
+            break
+    else:
+        return
+    msg = f"SHARED {d.cfg.shared}: {describe_stall(stall, what)}; nothing was mounted"
+    log.error("%s", msg)
+    logging.shutdown()
+    if ready_fd >= 0:
+        os.write(ready_fd, f"error {msg}\n".encode())
+    else:
+        print(f"ckptfs: error: {msg}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def run_foreground(cfg: MountConfig, ready_fd: int = -1) -> int:
     d = Daemon(cfg)
-    d.prepare()
+    settled = threading.Event()
+    threading.Thread(target=_give_up_on_a_silent_store, args=(d, ready_fd, settled),
+                     name="ckptfs-startup-watch", daemon=True).start()
+    try:
+        d.prepare()
+    except BaseException:
+        settled.set()
+        raise
     try:
         d.start_metrics()
         d.mount()
     except BaseException:
+        settled.set()
         d.shutdown()
         raise
+    settled.set()
     log.info("mounted %s (nvme %s, shared %s, node %s)", cfg.mountpoint, cfg.nvme, cfg.shared,
              cfg.node_id)
     if ready_fd >= 0:

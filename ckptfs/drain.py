@@ -36,7 +36,8 @@ import trio
 from ckptfs import manifest
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState
-from ckptfs.shared import PUBLISH_BATCH, RateLimiter, SharedError, SharedStore, describe_oserror
+from ckptfs.shared import (PUBLISH_BATCH, RateLimiter, SharedError, SharedStore,
+                           describe_oserror, describe_stall)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class Drain:
         self.dropped: set[int] = {s for s, i in index.iter_segments()
                                   if i.state == SegState.DROPPED}
         self.waiters = 0
+        # (seconds the shared store has not answered while calls wait, what waits): the
+        # daemon counts its cold tier's store in too
+        self.stalled: Callable[[], tuple[float, str]] = store.watch.stalled
         self._targets: list[int] = []  # log positions waiters need published
         self.cold_url = ""
         self.cold = None  # the cold tier's store
@@ -194,17 +198,22 @@ class Drain:
                            - sum(self.in_flight.values()))
                 total = max(total or 0, pend)
                 st = self.stats
+                stall_for, stall_on = self.stalled()
                 await progress({"done": total - pend, "total": total, "error": st.last_error,
                                 "error_for": (time.monotonic() - st.failing_since
-                                              if st.failing_since is not None else 0.0)})
+                                              if st.failing_since is not None else 0.0),
+                                "stall_for": stall_for, "stall_on": stall_on})
             ev = self._changed
             with trio.move_on_at(deadline if deadline is not None else float("inf")):
                 with trio.move_on_after(1.0):
                     await ev.wait()
                 continue
+            stall_for, stall_on = self.stalled()
             raise TimeoutError(f"timed out; {len(self.pending())} segments still pending"
                                + (f"; last error: {self.stats.last_error}"
-                                  if self.stats.last_error else ""))
+                                  if self.stats.last_error else "")
+                               + (f"; {describe_stall(stall_for, stall_on)}"
+                                  if stall_for >= 1 else ""))
 
     # --- uploading --------------------------------------------------------------------------
 

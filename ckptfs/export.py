@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from ckptfs import manifest
 from ckptfs import segment as fmt
 from ckptfs.remote import fetch_manifests
-from ckptfs.shared import SharedError, SharedStore, open_store
+from ckptfs.shared import SharedError, SharedStore, answers, open_store
 
 
 class ExportError(Exception):
@@ -241,6 +241,8 @@ def export(store: SharedStore, prefix: str, dest: str,
 
 
 def check_store(path: str) -> SharedStore:
+    if not path.startswith("s3://"):
+        answers(path)  # a hung NAS: one line after ANSWER_TIMEOUT, not a hang
     store = open_store(path)
     try:
         store.verify()

@@ -31,7 +31,7 @@ from ckptfs import layout
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState, read_applied
 from ckptfs.remote import newest_manifests
-from ckptfs.shared import SharedStore
+from ckptfs.shared import ANSWER_TIMEOUT, SharedStore
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +140,15 @@ class Collector:
         self.skipped = ""
         if force:  # `ckptfs gc`: a SHARED that is gone is an error, not "nothing to free"
             try:
-                await trio.to_thread.run_sync(self.store.check)
+                # a stat: a thread blocked in it on a hung NAS can be left behind
+                with trio.fail_after(ANSWER_TIMEOUT if ANSWER_TIMEOUT > 0 else float("inf")):
+                    await trio.to_thread.run_sync(self.store.check, abandon_on_cancel=True)
             except OSError as e:
                 self.skipped = f"the shared store cannot be used: {e}"
+                return 0
+            except trio.TooSlowError:
+                self.skipped = (f"the shared store does not answer (no reply in "
+                                f"{ANSWER_TIMEOUT:.0f} s)")
                 return 0
         # Other nodes and `export` read the newest manifest, not the published view: an
         # object stays until a manifest without it is on SHARED, and its grace starts then.

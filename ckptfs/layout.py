@@ -26,7 +26,8 @@ def control_socket_path(nvme: str) -> str:
     base = "/run/ckptfs" if os.access("/run", os.W_OK) else os.path.join(
         tempfile.gettempdir(), f"ckptfs-{os.getuid()}")
     os.makedirs(base, mode=0o700, exist_ok=True)
-    return os.path.join(base, f"{xxhash.xxh3_64_hexdigest(os.fsencode(os.path.realpath(nvme)))}.sock")
+    name = xxhash.xxh3_64_hexdigest(os.fsencode(os.path.realpath(nvme)))
+    return os.path.join(base, f"{name}.sock")
 
 
 def rename_noreplace(src: str, dst: str) -> list[str]:

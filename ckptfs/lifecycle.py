@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ckptfs import layout
 from ckptfs.errors import CliError
-from ckptfs.shared import SharedError, check_node_id
+from ckptfs.shared import SharedError, answers, check_node_id, describe_stall
 
 log = logging.getLogger("ckptfs")
 
@@ -154,11 +154,13 @@ def cmd_mount(a: argparse.Namespace) -> int:
 
     nvme, mnt = os.path.abspath(a.nvme), os.path.abspath(a.mountpoint)
     shared = a.shared if a.shared.startswith("s3://") else os.path.abspath(a.shared)
-    for what, d in (("NVME", nvme), ("SHARED", shared)):
-        if d.startswith("s3://"):
-            continue
-        if not os.path.isdir(d):
-            raise CliError(f"{what} directory {d} does not exist")
+    if not os.path.isdir(nvme):
+        raise CliError(f"NVME directory {nvme} does not exist")
+    if not shared.startswith("s3://"):
+        try:  # a hung NAS answers nothing: say so instead of hanging with it
+            answers(shared)
+        except SharedError as e:
+            raise CliError(f"SHARED {e}") from None
     check_mountpoint(mnt)
     if not 0 < a.low_watermark <= a.high_watermark <= 1:
         raise CliError("watermarks must satisfy 0 < --low-watermark <= --high-watermark <= 1")
@@ -363,7 +365,8 @@ def _drain_before_umount(mnt: str, timeout: float) -> None:
 class progress:
     """A rich progress bar on a terminal, nothing otherwise; on a terminal or not, one line
     when the drain has been failing for a while (`wait` on a full or unreachable store would
-    otherwise block without a word), and one when it works again."""
+    otherwise block without a word), or when the shared store has not answered for a while
+    (a hung NAS fails nothing: its calls just block), and one when it works again."""
 
     notice_after = float(os.environ.get("CKPTFS_WAIT_NOTICE_AFTER", "10"))
 
@@ -372,6 +375,7 @@ class progress:
         self.bar: Any = None
         self.failing_since: float | None = None
         self.told: str | None = None  # the error last reported
+        self.told_stall = False  # a silent store was reported, and has not answered since
 
     def _say(self, line: str) -> None:
         if self.bar is not None:
@@ -395,6 +399,15 @@ class progress:
                       f"{now - self.failing_since:.0f} s and retries: {error}")
             self.told = error
 
+    def _stall(self, seconds: float, what: str) -> None:
+        if seconds >= self.notice_after and not self.told_stall:
+            self._say(f"ckptfs: {self.label}: still waiting, "
+                      f"{describe_stall(seconds, what)}")
+            self.told_stall = True
+        elif seconds < 1 and self.told_stall:
+            self._say(f"ckptfs: {self.label}: the shared store answers again")
+            self.told_stall = False
+
     def __enter__(self) -> Callable[[dict], None]:
         if sys.stderr.isatty():
             from rich.progress import (BarColumn, DownloadColumn, Progress,
@@ -408,6 +421,8 @@ class progress:
         def update(info: dict) -> None:
             if "error" in info:
                 self._notice(info["error"], float(info.get("error_for") or 0.0))
+            if "stall_for" in info:
+                self._stall(float(info["stall_for"] or 0.0), str(info.get("stall_on") or ""))
             if self.bar is not None:
                 self.bar.update(self.task, total=info.get("total") or None,
                                 completed=info.get("done", 0))

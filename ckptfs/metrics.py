@@ -35,6 +35,9 @@ class Metrics:
         self.errors = Gauge("ckptfs_drain_error", "1 while the drain is failing", registry=r)
         self.failing = Gauge("ckptfs_drain_failing_seconds", "Seconds since the drain's first "
                              "error after its last success (0 when healthy)", registry=r)
+        self.stalled = Gauge("ckptfs_shared_stalled_seconds", "Seconds the shared store has "
+                             "not answered while calls into it wait (0 when none waits): a "
+                             "hung NAS fails nothing", registry=r)
         self.evictions = Gauge("ckptfs_evictions", "Segments evicted from NVMe", registry=r)
         self.seals = Gauge("ckptfs_seals", "Segment seals by trigger", ["reason"], registry=r)
         self.retries = Counter("ckptfs_status_scrapes", "Metric refreshes", registry=r)
@@ -59,6 +62,7 @@ class Metrics:
         self.local_free.set(st["local_bytes_free"])
         self.errors.set(1 if st["last_error"] else 0)
         self.failing.set(st["failing_for_s"])
+        self.stalled.set(st["shared_stalled_s"])
         self.evictions.set(st["cache"]["evictions"])
         for reason, n in st["seals"].items():
             self.seals.labels(reason).set(n)

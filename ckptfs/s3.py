@@ -26,7 +26,8 @@ import xxhash
 
 from ckptfs import layout
 from ckptfs import segment as fmt
-from ckptfs.shared import MAN_RE, NODE_RE, OBJ_RE, RateLimiter, SharedError, exists_error
+from ckptfs.shared import (MAN_RE, NODE_RE, OBJ_RE, RateLimiter, SharedError, Watch,
+                           exists_error)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class S3Store:
             connect_timeout=5, read_timeout=60))
         self.ops: dict[str, int] = {}
         self._ops_lock = threading.Lock()
+        self.watch = Watch()  # every request is a call (botocore retries inside one)
         self.bytes_uploaded = 0
         self.bytes_read = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(self.streams, "ckptfs-s3-part")
@@ -91,7 +93,8 @@ class S3Store:
 
         self._op(op)
         try:
-            return fn(Bucket=self.bucket, **kw)
+            with self.watch.call(op):
+                return fn(Bucket=self.bucket, **kw)
         except ClientError as e:
             code = e.response.get("Error", {}).get("Code", "")
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

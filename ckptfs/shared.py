@@ -22,7 +22,9 @@ Anything read from SHARED is untrusted: other machines wrote it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -30,7 +32,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 
 from ckptfs import layout
@@ -43,6 +45,10 @@ MAN_RE = re.compile(r"^([0-9a-f]{16})\.manifest$")
 BATCH_RE = re.compile(r"^b([0-9a-f]{16})-([0-9a-f]{16})$")
 COPY_CHUNK = 16 << 20
 PUBLISH_BATCH = 16  # default --publish-batch: segments per batch directory
+# a shared store that has not answered for this long (s) while a command that cannot go on
+# without it waits (the mount's first look at it, ls, export, fsck) is reported as an error
+ANSWER_TIMEOUT = float(os.environ.get("CKPTFS_SHARED_TIMEOUT", "30"))
+READ_CHUNK = 1 << 20  # manifests are read this much at a time (each chunk is an answer)
 
 
 class SharedError(Exception):
@@ -53,6 +59,98 @@ def check_node_id(node: str) -> str:
     if not NODE_RE.match(node):
         raise SharedError(f"invalid node id {node!r} (letters, digits, . _ -; max 64)")
     return node
+
+
+class Watch:
+    """Calls into the shared store that are waiting for it, and when it last answered.
+
+    A NAS that fails returns errors, and the drain reports them. A NAS that hangs (an NFS
+    hard mount whose server is gone, a stuck parallel-filesystem client) returns nothing:
+    the calls block, and a slow store and a dead one would look alike. `stalled()` tells
+    them apart: how long the store has gone without answering anything (no call ended, no
+    chunk of an upload went through) while at least one call waits. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[int, tuple[str, float]] = {}  # key -> (what, started)
+        self._next = 0
+        self.answered = time.monotonic()
+
+    @contextlib.contextmanager
+    def call(self, what: str) -> Iterator[None]:
+        now = time.monotonic()
+        with self._lock:
+            key = self._next
+            self._next += 1
+            if not self._calls:
+                self.answered = now  # idle until now: nothing was owed before this call
+            self._calls[key] = (what, now)
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._calls[key]
+                self.answered = time.monotonic()
+
+    def progress(self) -> None:
+        """Part of a long call went through (a chunk of an upload or a read)."""
+        self.answered = time.monotonic()
+
+    def stalled(self) -> tuple[float, str]:
+        """(seconds without an answer, what the oldest waiting call is), or (0.0, "") when
+        no call waits."""
+        with self._lock:
+            if not self._calls:
+                return 0.0, ""
+            what = min(self._calls.values(), key=lambda c: c[1])[0]
+            return max(0.0, time.monotonic() - self.answered), what
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def watched(what: str) -> Callable[[F], F]:
+    """Decorate a store method that calls into the store: its calls count in `self.watch`."""
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self.watch.call(what):
+                return fn(self, *args, **kwargs)
+        return wrapper  # type: ignore[return-value]
+    return deco
+
+
+def answers(path: str, timeout: float = ANSWER_TIMEOUT) -> None:
+    """Whether the directory `path` answers a stat and a listing within `timeout` seconds
+    (0: wait as long as it takes). Raises SharedError with one line if it is missing, not a
+    directory, or silent. A silent NAS leaves the asking thread blocked in the kernel; it is
+    a daemon thread, and the process exits without it (NFS and FUSE waits are killable)."""
+    outcome: list[BaseException | None] = []
+
+    def look() -> None:
+        try:
+            os.listdir(path)
+            outcome.append(None)
+        except BaseException as e:  # reported by the caller's thread
+            outcome.append(e)
+
+    t = threading.Thread(target=look, name="ckptfs-shared-probe", daemon=True)
+    t.start()
+    t.join(timeout if timeout > 0 else None)
+    if not outcome:
+        raise SharedError(f"{path} does not answer: no reply to a directory listing in "
+                          f"{timeout:.0f} s (is the NAS or its network down? "
+                          f"CKPTFS_SHARED_TIMEOUT sets how long to wait)")
+    err = outcome[0]
+    if isinstance(err, FileNotFoundError):
+        raise SharedError(f"directory {path} does not exist")
+    if isinstance(err, NotADirectoryError):
+        raise SharedError(f"{path} is not a directory")
+    if isinstance(err, OSError):
+        raise SharedError(f"{path}: {describe_oserror(err)}")
+    if err is not None:
+        raise err
 
 
 class UploadStopped(OSError):
@@ -109,6 +207,7 @@ class SharedStore:
         self._known_dirs: set[str] = set()
         self._read_fds = FdCache(256)  # objects being read (a restore reads them again and again)
         self._where: dict[tuple[str, int], str] = {}  # objects found inside a batch directory
+        self.watch = Watch()
 
     def _op(self, name: str, n: int = 1) -> None:
         with self._ops_lock:
@@ -163,11 +262,13 @@ class SharedStore:
             self._op("fsync_dir")
         self._known_dirs.add(d)
 
+    @watched("directories")
     def prepare(self, node: str) -> None:
         """Create node's directories now (at mount), not during its first checkpoint."""
         self._ensure_dir(self.node_objects(node))
         self._ensure_dir(self.manifest_dir(node))
 
+    @watched("format file")
     def init(self) -> None:
         """Create ckptfs's layout (idempotent); SharedError with one line if that fails."""
         from ckptfs.errors import CliError
@@ -177,9 +278,11 @@ class SharedStore:
         except CliError as e:
             raise SharedError(str(e)) from None
 
+    @watched("format file")
     def exists(self) -> bool:
         return os.path.isdir(self.root)
 
+    @watched("format file")
     def verify(self) -> None:
         """For readers (ls, export, fsck): SHARED holds a ckptfs store."""
         if not os.path.isdir(self.base):
@@ -201,6 +304,7 @@ class SharedStore:
             raise SharedError(f"{fmt_path}: not a ckptfs shared store this version can read "
                               f"({found})")
 
+    @watched("layout check")
     def check(self) -> None:
         """Before publishing: the store's layout must still be there. A NAS that is not
         mounted any more looks like an empty directory; publishing into that would put
@@ -219,6 +323,7 @@ class SharedStore:
                                  None if progress is None else lambda _s, n: progress(n))
         return sizes[0], ""
 
+    @watched("upload")
     def put_objects(self, node: str, items: list[tuple[int, str]],
                     limiter: RateLimiter | None = None,
                     progress: Callable[[int, int], None] | None = None) -> list[int]:
@@ -261,6 +366,7 @@ class SharedStore:
                     size += n
                     with self._ops_lock:
                         self.bytes_uploaded += n
+                    self.watch.progress()
                     if progress is not None:
                         progress(seg, n)
                 self._op("fsync")
@@ -343,6 +449,7 @@ class SharedStore:
             wait(futures)
         return [f.result() for f in futures]
 
+    @watched("object check")
     def object_ok(self, node: str, seg: int, size: int) -> bool:
         """A published object of this size with a valid footer exists (crash after rename).
         Its name is made durable before True is returned: the attempt that renamed it may
@@ -366,6 +473,7 @@ class SharedStore:
         except OSError:
             return False
 
+    @watched("manifest upload")
     def put_manifest(self, node: str, seq: int, data: bytes) -> str:
         d = self.manifest_dir(node)
         self._ensure_dir(d)
@@ -384,6 +492,7 @@ class SharedStore:
         self._op("fsync_dir")
         return dest
 
+    @watched("object removal")
     def delete_object(self, node: str, seg: int) -> None:
         path = self.object_path(node, seg)
         # not held open: NFS would keep a deleted open file as .nfsXXXX, and its directory
@@ -402,6 +511,7 @@ class SharedStore:
             except OSError:  # ENOTEMPTY: other objects of the batch are still live
                 pass
 
+    @watched("manifest removal")
     def prune_manifests(self, node: str, keep: int = 2) -> None:
         names = self.list_manifests(node)
         for seq in names[:-keep]:
@@ -411,6 +521,7 @@ class SharedStore:
             except FileNotFoundError:
                 pass
 
+    @watched("temp cleanup")
     def clean_temp(self, node: str) -> int:
         """Remove this node's half-written temporary files left by a crash."""
         n = 0
@@ -428,6 +539,7 @@ class SharedStore:
 
     # --- reading --------------------------------------------------------------------------
 
+    @watched("listing")
     def nodes(self) -> list[str]:
         self._op("listdir")
         try:
@@ -436,6 +548,7 @@ class SharedStore:
             return []
         return sorted(n for n in names if NODE_RE.match(n))
 
+    @watched("listing")
     def list_manifests(self, node: str) -> list[int]:
         self._op("listdir")
         try:
@@ -444,6 +557,7 @@ class SharedStore:
             return []
         return sorted(int(m.group(1), 16) for n in names if (m := MAN_RE.match(n)))
 
+    @watched("listing")
     def list_objects(self, node: str) -> list[int]:
         """node's object ids, those in batch directories included."""
         self._op("listdir")
@@ -467,6 +581,7 @@ class SharedStore:
                         self._where[(node, seg)] = os.path.join(d, n, name)
         return sorted(out)
 
+    @watched("listing")
     def all_object_nodes(self) -> list[str]:
         try:
             names = os.listdir(os.path.join(self.root, "objects"))
@@ -474,11 +589,18 @@ class SharedStore:
             return []
         return sorted(n for n in names if NODE_RE.match(n))
 
+    @watched("manifest read")
     def get_manifest(self, node: str, seq: int) -> bytes:
         self._op("open")
-        with open(os.path.join(self.manifest_dir(node), f"{seq:016x}.manifest"), "rb") as f:
-            return f.read()
+        with open(os.path.join(self.manifest_dir(node), f"{seq:016x}.manifest"), "rb",
+                  buffering=0) as f:
+            chunks = []
+            while chunk := f.read(READ_CHUNK):  # a big manifest on a slow link is no stall
+                chunks.append(chunk)
+                self.watch.progress()
+            return b"".join(chunks)
 
+    @watched("object read")
     def read_range(self, node: str, seg: int, offset: int, length: int) -> bytes:
         def opener() -> int:
             path = self.object_path(node, seg)
@@ -492,6 +614,7 @@ class SharedStore:
             self.bytes_read += len(data)
         return data
 
+    @watched("object stat")
     def object_size(self, node: str, seg: int) -> int:
         try:
             return os.path.getsize(self.object_path(node, seg))
@@ -528,6 +651,13 @@ def open_store(location: str, streams: int = 4) -> "SharedStore":
 
         return S3Store(location, streams=streams)  # type: ignore[return-value]
     return SharedStore(os.path.abspath(location), streams)
+
+
+def describe_stall(seconds: float, what: str) -> str:
+    """One phrase for Watch.stalled(), e.g. in a `wait` that timed out."""
+    article = "an" if what[:1] in tuple("aeiou") else "a"
+    return (f"the shared store has not answered for {seconds:.0f} s"
+            + (f" ({article} {what} is waiting)" if what else ""))
 
 
 def describe_oserror(e: OSError) -> str:

@@ -16,13 +16,15 @@ import random
 import re
 import select
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mounting import MakeMount, Mount, ckptfs_cmd, wait_for
+from mounting import MakeMount, Mount, ckptfs_cmd, is_mounted, wait_for
 from test_shared_support import (
     assert_fsck_clean,
     assert_one_line_error,
@@ -51,6 +53,7 @@ import ckptfs
 
 # Retries back off up to 30 s (ckptfs/drain.py); a short fault keeps the next retry close.
 RECOVER_WITHIN = 60.0
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run(*cmd: str) -> None:
@@ -59,7 +62,8 @@ def run(*cmd: str) -> None:
 
 
 def _umount(target: Path) -> None:
-    res = subprocess.run(["umount", str(target)], check=False, capture_output=True, text=True, timeout=30)
+    res = subprocess.run(["umount", str(target)], check=False, capture_output=True, text=True,
+                         timeout=30)
     if res.returncode != 0:
         subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True,
                        timeout=30)
@@ -192,6 +196,65 @@ def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path
         assert not tree_diff(want, got), tree_diff(want, got)
         assert {e["path"] for e in ls_json(m.shared) if e["type"] == "f"} == set(expected)
         assert_fsck_clean(m.shared)
+
+
+def test_a_silent_shared_store_is_reported_and_never_holds_a_command_or_the_daemon(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """A NAS that hangs (an NFS hard mount whose server is gone) fails nothing: calls into it
+    just block. Stood in for by the NAS emulator stopped with SIGSTOP. Writes and fsyncs go
+    on; `wait` says the store does not answer and times out with that reason; `status`
+    counts the silence; the unmount's daemon exits anyway; `mount`, `ls` and `export` give
+    one line instead of hanging. Once the store answers again, the remount publishes what
+    it owed."""
+    sys.path.insert(0, str(REPO))
+    from bench.nasemu import NasEmu
+
+    m = make_mount("a", node_args("n0"), start=False)
+    m.env = {**os.environ, "CKPTFS_EXIT_GRACE": "2"}
+    quick = {"CKPTFS_SHARED_TIMEOUT": "2", "CKPTFS_WAIT_NOTICE_AFTER": "2"}
+    first = {"step_1/a": blob("a", 3_000_000)}
+    second = {"step_2/b": blob("b", 3_000_000)}
+    with NasEmu(tmp_path / "backing", m.shared, meta_latency_us=0, meta_ops_per_sec=0,
+                bandwidth_mbps=0, log_path=tmp_path / "nasemu.log") as nas:
+        assert nas.pid is not None
+        try:
+            m.start()
+            write_tree(m.mnt, first)
+            wait_published(m.mnt / "step_1")
+            os.kill(nas.pid, signal.SIGSTOP)
+            write_tree(m.mnt, second)  # lands on NVMe, fsync included
+            fsync_path(m.mnt / "step_2/b")
+            assert_tree({**first, **second}, m.mnt, "the mount while SHARED is silent")
+
+            res = cli("wait", m.mnt / "step_2", "--timeout", "5", check=False, env=quick)
+            line = assert_one_line_error(res, "wait on a silent store")
+            assert "timed out" in line and "has not answered" in line, line
+            assert "still waiting, the shared store has not answered" in res.stderr, res.stderr
+            st = status(m)
+            assert st["shared_stalled_s"] >= 4 and st["shared_stalled_on"] == "upload", st
+            assert "no answer for" in cli("status", m.mnt).stdout
+
+            t0 = time.monotonic()
+            m.unmount(timeout=30)  # asserts a clean exit (0) of the daemon
+            took = time.monotonic() - t0
+            assert took < 15, f"the daemon took {took:.1f} s to exit without the store"
+            assert "exiting without it" in m.log_path.read_text(), m.log_tail()
+
+            for args in (("mount", m.nvme, m.shared, m.mnt), ("ls", m.shared),
+                         ("export", m.shared, "step_1", tmp_path / "out")):
+                t0 = time.monotonic()
+                res = cli(*args, check=False, env=quick, timeout=60)
+                line = assert_one_line_error(res, f"{args[0]} on a silent store")
+                assert "does not answer" in line, line
+                assert time.monotonic() - t0 < 20, f"{args[0]} took too long to give up"
+            assert not (tmp_path / "out").exists()
+            assert not is_mounted(m.mnt, None)
+        finally:
+            os.kill(nas.pid, signal.SIGCONT)
+        m.start()
+        wait_published(m.mnt / "step_2")
+        m.unmount()
+        assert export_files(m.shared, "step_2", tmp_path / "out") == {"b": second["step_2/b"]}
 
 
 def test_mount_comes_up_while_the_store_refuses_its_cleanup(make_mount: MakeMount,

@@ -113,10 +113,12 @@ def start_node(make_mount: MakeMount, name: str, node: str, shared: Path | None 
 # -- the CLI ---------------------------------------------------------------------------------
 
 
-def cli(*args: str | os.PathLike[str], check: bool = True,
-        timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
+def cli(*args: str | os.PathLike[str], check: bool = True, timeout: float = CLI_TIMEOUT,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`env`: added to this process's environment."""
     res = subprocess.run(ckptfs_cmd(*args), check=False, capture_output=True, text=True,
-                         timeout=timeout, stdin=subprocess.DEVNULL)
+                         timeout=timeout, stdin=subprocess.DEVNULL,
+                         env={**os.environ, **env} if env else None)
     if check and res.returncode != 0:
         raise AssertionError(f"ckptfs {' '.join(map(str, args))} exited {res.returncode}\n"
                              f"stdout: {res.stdout[-3000:]}\nstderr: {res.stderr[-3000:]}")
