@@ -443,7 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seal a log segment at this size (default 256M)")
     m.add_argument("--seal-idle", type=positive_float, default=5.0,
                    help="seal a segment idle for this many seconds (default 5)")
-    m.add_argument("--upload-streams", type=int, default=2, help="parallel drain streams")
+    m.add_argument("--upload-streams", type=int, default=None,
+                   help="parallel drain streams (default 4 to a directory, 2 to S3, whose "
+                        "streams each hold 64 MiB parts in memory)")
     m.add_argument("--publish-batch", type=int, default=PUBLISH_BATCH, metavar="N",
                    help="publish up to N waiting segments at once as one batch directory on "
                         f"SHARED: N + 2 namespace operations instead of 2N (default "

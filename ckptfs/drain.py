@@ -80,6 +80,11 @@ class Drain:
         self.seg_path = seg_path
         self.commit = commit  # async: commit the live index (write-ahead safe)
         self.streams = max(1, streams)
+        # workers publishing at once: one can publish a segment sealed while the other's
+        # batch uploads. More would split a backlog into more batches (two namespace
+        # operations each) without more bandwidth: a batch copies its objects on up to
+        # `streams` streams itself (SharedStore.put_objects)
+        self.workers = min(2, self.streams)
         # queued segments are published up to batch_max at a time, as one batch directory
         # (k + 2 namespace operations on SHARED instead of 2k); 1 = one object at a time
         self.batch_max = max(1, batch_max)
@@ -155,7 +160,7 @@ class Drain:
             # started at once: a shared store that fails now must not hold up the mount
             # (writes land on NVMe regardless); uploads and manifests wait for _startup
             nursery.start_soon(self._startup)
-            for _ in range(self.streams):
+            for _ in range(self.workers):
                 nursery.start_soon(self._worker, self._recv.clone())
             nursery.start_soon(self._publisher)
             nursery.start_soon(self._yield_policy)
