@@ -140,7 +140,8 @@ def cmd_status(a: argparse.Namespace) -> int:
 def _status_table(st: dict) -> Any:
     from rich.table import Table
 
-    t = Table(title=f"ckptfs {st['mountpoint']} (node {st['node_id']}, pid {st['pid']})",
+    ro = ", read-only" if st.get("read_only") else ""
+    t = Table(title=f"ckptfs {st['mountpoint']} (node {st['node_id']}{ro}, pid {st['pid']})",
               show_header=False)
     t.add_column("", style="bold")
     t.add_column("")
@@ -439,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("mountpoint", metavar="MOUNTPOINT", help="where training writes checkpoints")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     m.add_argument("--node-id", help="this node's name on the shared store (default: hostname)")
+    m.add_argument("--read-only", "--ro", action="store_true",
+                   help="a node that only reads what the others publish (evaluation, "
+                        "inference): writes fail with EROFS, nothing is published or deleted "
+                        "on SHARED, which may be mounted read-only; needs its own --node-id")
     m.add_argument("--segment-size", type=parse_size, default=256 << 20,
                    help="seal a log segment at this size (default 256M)")
     m.add_argument("--seal-idle", type=positive_float, default=5.0,

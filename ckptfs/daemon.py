@@ -66,6 +66,9 @@ class MountConfig:
     dedup: bool = True
     cold: str = ""  # the cold tier's location (directory or s3:// URL), "" = none
     drain_policy: str = "yield"
+    # only reads what other nodes publish: the kernel refuses writes (EROFS), and nothing is
+    # published, deleted or moved on SHARED (which may be mounted read-only)
+    read_only: bool = False
 
 
 class NvmeLock:
@@ -226,7 +229,10 @@ class Daemon:
                 raise SharedError(
                     f"{cfg.shared} holds no ckptfs store, but this NVME directory published "
                     f"to one before: is the shared filesystem mounted?")
-            self.store.init()
+            if cfg.read_only:
+                self.store.verify()  # never creates one
+            else:
+                self.store.init()
             self.cold = None
             if cfg.cold:
                 self.cold = open_store(cfg.cold, cfg.upload_streams)
@@ -241,6 +247,21 @@ class Daemon:
             fresh = True
         except (OSError, ValueError, AttributeError):
             fresh = False  # identity() reports it
+        if cfg.read_only:  # before this NVME directory takes the node id
+            node = cfg.node_id or (read_identity(cfg.nvme) or {}).get("node") \
+                or socket.gethostname()
+            try:
+                writer = bool(self.store.list_manifests(node))
+            except OSError as e:
+                self.lock.release()
+                raise CliError(f"cannot list manifests on {cfg.shared} "
+                               f"({describe_oserror(e)})") from None
+            if writer:
+                # a refresh never reads its own node's manifests: this mount would not see
+                # what that node publishes next
+                self.lock.release()
+                raise CliError(f"node id {node!r} publishes to {cfg.shared}: a --read-only "
+                               f"mount needs a node id of its own (--node-id)")
         try:
             objs = self.store.list_objects(cfg.node_id or socket.gethostname())
         except OSError as e:
@@ -401,6 +422,8 @@ class Daemon:
         opts |= {f"fsname={fsname}", "subtype=ckptfs", "default_permissions", "noatime"}
         if cfg.allow_other:
             opts.add("allow_other")
+        if cfg.read_only:
+            opts.add("ro")  # the kernel answers EROFS to writes: they never reach us
         try:
             pyfuse3.init(ops, cfg.mountpoint, opts)
         except RuntimeError as e:
@@ -422,23 +445,26 @@ class Daemon:
 
     async def _run(self) -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.drain.run)
+            if not self.cfg.read_only:
+                # a read-only mount's log holds only its imports of other nodes' files:
+                # nothing to publish, evict, retain, move, collect or defragment
+                await nursery.start(self.drain.run)
+                nursery.start_soon(self.cache.run, self.drain.kick)
+                nursery.start_soon(self._retention_loop)
+                if self.coldtier is not None:
+                    nursery.start_soon(self.coldtier.run)
+                nursery.start_soon(self._gc_loop)
+                nursery.start_soon(self._defrag_loop)
             nursery.start_soon(self.refresher.run)
-            nursery.start_soon(self.cache.run, self.drain.kick)
-            nursery.start_soon(self._retention_loop)
-            if self.coldtier is not None:
-                nursery.start_soon(self.coldtier.run)
             if self.metrics is not None:
                 nursery.start_soon(self.metrics.run, self.status)
-            nursery.start_soon(self._gc_loop)
-            nursery.start_soon(self._defrag_loop)
             nursery.start_soon(self._commit_loop)
             nursery.start_soon(self._idle_seal_loop)
             nursery.start_soon(self._signals)
             await nursery.start(control.serve, self)
             nursery.start_soon(self._tune_read_ahead)
             await pyfuse3.main()
-            pending = self.drain.pending()
+            pending = self.drain.pending() if not self.cfg.read_only else []
             if pending:
                 log.info("unmounted with %d segments (%d bytes) not yet on SHARED: they stay "
                          "in NVME and are published after the next mount", len(pending),
@@ -614,6 +640,8 @@ class Daemon:
             rel = req.get("path", "")
             if rel:
                 self._resolve(rel)
+            if self.cfg.read_only:  # everything here came from SHARED: published already
+                return {"published_seq": self.drain.manifest_seq}
             target = self.seglog.seq
             if self.seglog.has_records():
                 self.ns.seal("wait")
@@ -623,6 +651,9 @@ class Daemon:
         if op == "evict":  # operators and tests: drop every published local copy now
             return {"evicted": self.cache.evict_all() if req.get("all") else
                     self.cache.evict_to(self.cfg.cache.low)}
+        if op == "gc" and self.cfg.read_only:
+            return {"deleted_checkpoints": [], "segments_freed": 0, "compacted_bytes": 0,
+                    "skipped": "a --read-only mount deletes nothing"}
         if op == "gc":  # operators and tests: run retention and GC now, without grace
             res = self.retention_pass()
             moved = await self.gc.compact(self.ns) if req.get("compact") else 0
@@ -664,7 +695,7 @@ class Daemon:
         stall = self.shared_stall()
         return {
             "mountpoint": self.cfg.mountpoint, "nvme": self.cfg.nvme, "shared": self.cfg.shared,
-            "node_id": self.cfg.node_id, "pid": os.getpid(),
+            "node_id": self.cfg.node_id, "pid": os.getpid(), "read_only": self.cfg.read_only,
             "nodes_required": self.cfg.nodes_required,
             "retain": list(self.cfg.retention.retain), "markers": list(self.cfg.retention.markers),
             "uptime_s": round(time.time() - self.started, 1),
@@ -683,9 +714,10 @@ class Daemon:
             "local_bytes_used": local_bytes, "local_bytes_free": du.free,
             "ops": dict(self.ns.ops.counts),
             "bytes_uploaded": self.drain.stats.bytes_uploaded,
-            "bytes_pending_upload": sum(size for _s, size in self.drain.pending())
-            + (self.seglog.tail if self.seglog.fd >= 0 else 0)
-            - sum(self.drain.in_flight.values()),
+            "bytes_pending_upload": 0 if self.cfg.read_only else (
+                sum(size for _s, size in self.drain.pending())
+                + (self.seglog.tail if self.seglog.fd >= 0 else 0)
+                - sum(self.drain.in_flight.values())),
             "upload_rate_bytes_s": round(self.drain.stats.rate()),
             "segments_uploaded": self.drain.stats.segments_uploaded,
             "batches_published": self.drain.stats.batches,

@@ -208,9 +208,12 @@ def cmd_mount(a: argparse.Namespace) -> int:
                       cold=(a.cold if not a.cold or a.cold.startswith("s3://")
                             else os.path.abspath(a.cold)) if a.cold else "",
                       gc_grace=a.gc_grace, nodes_required=a.nodes, dedup=not a.no_dedup,
-                      drain_policy=a.drain_policy)
+                      drain_policy=a.drain_policy, read_only=a.read_only)
     if a.keep_local < 0 or a.keep_shared < 0 or a.keep_cold < 0:
         raise CliError("--keep-local, --keep-shared and --keep-cold must not be negative")
+    if a.read_only and (a.keep_local or a.keep_shared or a.cold):
+        raise CliError("--read-only deletes and moves nothing: --keep-local, --keep-shared "
+                       "and --cold do not apply")
     if a.cold and not a.keep_shared:
         raise CliError("--cold needs --keep-shared M: checkpoints older than the newest M move "
                        "to the cold tier")
@@ -294,6 +297,8 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
         out += ["--fsname", a.fsname]
     if a.no_dedup:
         out.append("--no-dedup")
+    if a.read_only:
+        out.append("--read-only")
     if a.cold:
         out += ["--cold", a.cold]
     return out

@@ -6,9 +6,11 @@ fresh node, or the same node after losing its NVMe, sees everything that was pub
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -603,3 +605,63 @@ def test_any_name_linux_allows_is_published_and_exported_byte_for_byte(
     for name, data in want.items():
         with open(os.path.join(broot, name), "rb") as fh:
             assert fh.read() == data, name
+
+
+def test_a_read_only_node_reads_what_others_publish_from_a_read_only_store(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """An evaluation node that only reads checkpoints, on SHARED mounted read-only: it sees
+    what the writer published and what it publishes next, the kernel refuses its writes
+    (EROFS), `wait` has nothing to wait for, GC deletes nothing, and unmounting does not wait
+    for a drain that could never publish (it used to, forever, retrying EROFS). A read-only
+    mount under a node id that publishes is refused before it takes the NVME directory."""
+    a = start_node(make_mount, "a", "n0")
+    first = {"step_1/__0_0.distcp": blob("ro1", 700_000), "step_1/.metadata": b"m1"}
+    write_tree(a.mnt, first)
+    wait_published(a.mnt / "step_1")
+    view = tmp_path / "shared-ro"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", "-o", "ro", str(a.shared), str(view)], check=True,
+                   timeout=30)
+    try:
+        refused = make_mount("w", node_args("n0", "--read-only"), start=False)
+        res = cli("mount", refused.nvme, view, refused.mnt, "--read-only", "--node-id", "n0",
+                  check=False)
+        assert res.returncode == 1 and "needs a node id of its own" in res.stderr, res.stderr
+        assert not (refused.nvme / "ckptfs.json").exists(), "the refused mount took NVME"
+
+        r = make_mount("r", node_args("reader", "--read-only"), start=False)
+        r.shared = view
+        r.start()
+        assert_tree(first, r.mnt, "the read-only node")
+        for attempt in (lambda: (r.mnt / "new").write_bytes(b"x"),
+                        lambda: (r.mnt / "step_1/.metadata").write_bytes(b"x"),
+                        lambda: (r.mnt / "d").mkdir(),
+                        lambda: (r.mnt / "step_1/.metadata").unlink(),
+                        lambda: os.rename(r.mnt / "step_1", r.mnt / "step_9")):
+            try:
+                attempt()
+            except OSError as e:
+                assert e.errno == errno.EROFS, e
+            else:
+                raise AssertionError("a write succeeded on a --read-only mount")
+        t0 = time.monotonic()
+        wait_published(r.mnt / "step_1", timeout=10)
+        assert time.monotonic() - t0 < 5, "wait on a read-only mount waited"
+        gc = cli("gc", r.mnt, check=False)
+        assert "deletes nothing" in gc.stderr, gc.stderr
+        st = status(r)
+        assert st["read_only"] and st["bytes_pending_upload"] == 0, st
+
+        second = {"step_2/__0_0.distcp": blob("ro2", 300_000)}
+        write_tree(a.mnt, second)
+        wait_published(a.mnt / "step_2")
+        wait_for(lambda: readable_everywhere(r, second), SEEN_WITHIN,
+                 "the read-only node to see the writer's next checkpoint")
+        assert_tree({**first, **second}, r.mnt, "the read-only node after a refresh")
+        t0 = time.monotonic()
+        res = cli("umount", r.mnt, timeout=60)
+        assert time.monotonic() - t0 < 10, f"umount took {time.monotonic() - t0:.1f} s"
+        assert not [p for p in view.rglob("*") if "reader" in p.name], \
+            "the read-only node put something on SHARED"
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=False, timeout=30)
