@@ -161,6 +161,12 @@ class NasEmu:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGUSR2)
 
+    def fail_fsyncs(self, fail: bool = True) -> None:
+        """Every fsync and fsyncdir fails with EIO (SIGRTMIN) until fail_fsyncs(False)
+        (SIGRTMIN+1): a disk whose writeback failed."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGRTMIN if fail else signal.SIGRTMIN + 1)
+
     def stats(self) -> dict:
         """A snapshot of the emulator's counters (read through the hidden control file)."""
         with open(self.mountpoint / STATS_FILE, "rb") as f:

@@ -163,6 +163,10 @@ def _status_table(st: dict) -> Any:
         ("last error", (f"{st['last_error']} (failing for {st.get('failing_for_s', 0):.0f} s)"
                         if st["last_error"] else "none")),
     ]
+    if st.get("log_error"):
+        rows.insert(0, ("LOG FAILED", f"a flush of the log on NVMe failed ({st['log_error']}): "
+                                      f"writes fail with EIO; unmount, check the disk, mount "
+                                      f"again"))
     stall = st.get("shared_stalled_s") or 0
     if stall >= 2:  # a daemon from before this field has none
         rows.append(("shared store", f"no answer for {stall:.0f} s"

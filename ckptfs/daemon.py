@@ -574,8 +574,8 @@ class Daemon:
         it ran are flushed synchronously together with the LMDB commit, so the committed
         `applied` position never points past durable log bytes.
         """
-        if not self.index.dirty:
-            return
+        if not self.index.dirty or self.seglog.broken is not None:
+            return  # broken: said once by the log; the next mount replays what it holds
         await self.seglog.sync()
         self.seglog.sync_now()
         try:
@@ -725,6 +725,9 @@ class Daemon:
             "published_seq": self.drain.manifest_seq, "log_seq": self.seglog.seq,
             "shared_ops": dict(self.store.ops),
             "shared_bytes_read": self.store.bytes_read,
+            # a flush of the log failed: no more writes until the next mount (log.py)
+            "log_error": (f"{self.seglog.broken.strerror or self.seglog.broken}"
+                          if self.seglog.broken is not None else None),
             "last_error": self.drain.stats.last_error,
             "failing_for_s": (round(time.monotonic() - self.drain.stats.failing_since, 1)
                               if self.drain.stats.failing_since is not None else 0.0),
@@ -754,7 +757,9 @@ class Daemon:
             log.error("sealing at shutdown failed: %s", e)
         self.seglog.close()
         try:
-            self.index.close(commit=True)
+            # never commit what a log that failed to flush may not hold: the next mount
+            # replays what reached the disk
+            self.index.close(commit=self.seglog.broken is None)
         except IndexCommitError as e:  # the next mount replays the log past the last commit
             log.error("%s", e)
             self.index.close(commit=False)

@@ -133,6 +133,8 @@ class SegmentLog:
         self._dir_dirty = False
         self._flush_lock = trio.Lock()
         self.on_seal = None  # callback(seg_id, size, reason), set by the owner
+        # a flush (fdatasync/fsync) failed: see _broke(). Set once, never cleared while mounted
+        self.broken: OSError | None = None
 
     # --- segment files ------------------------------------------------------------------
 
@@ -198,16 +200,42 @@ class SegmentLog:
             self._writer.join()
             self._writer = None
         self._close_direct()
+        try:
+            for fd in self._unsynced:
+                os.fdatasync(fd)
+            if self.fd >= 0:
+                os.fdatasync(self.fd)
+            os.fsync(self.dir_fd)
+        except OSError as e:
+            self._broke(e)  # the owner does not commit the index then
         for fd in self._unsynced:
-            os.fdatasync(fd)
             os.close(fd)
         self._unsynced.clear()
         if self.fd >= 0:
-            os.fdatasync(self.fd)
             os.close(self.fd)
             self.fd = -1
-        os.fsync(self.dir_fd)
         os.close(self.dir_fd)
+
+    # --- a failed flush -------------------------------------------------------------------
+
+    def _broke(self, e: OSError) -> None:
+        """A flush of the log failed. After a failed fdatasync the kernel may have dropped
+        the pages it could not write (ext4 marks them clean), and the next fdatasync of the
+        same file reports success: acknowledged records could be gone while a later fsync()
+        says all is well ("fsyncgate"). So the log stops: every later append and fsync fails
+        with EIO, the index is no longer committed, and the next mount replays what
+        actually reached the disk. Reads go on."""
+        if self.broken is None:
+            log.error("the log on NVMe failed to flush (%s): it takes no more writes; unmount "
+                      "and mount again once the disk is sound (the mount replays what reached "
+                      "it)", e)
+            self.broken = e
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise OSError(errno.EIO, f"the log on NVMe failed to flush earlier "
+                                     f"({self.broken.strerror or self.broken}); no more writes "
+                                     f"until ckptfs is mounted again")
 
     # --- appending ------------------------------------------------------------------------
 
@@ -225,6 +253,7 @@ class SegmentLog:
         it), so records reach the index in log order, a record is never written behind one
         that is not, and a failed write leaves nothing after it (the queue behind it is
         cancelled and the tail goes back to where it started)."""
+        self._check()
         now = time.time_ns() if time_ns is None else time_ns
         n = len(payload)
         size = fmt.record_size(n)
@@ -524,8 +553,8 @@ class SegmentLog:
         block it on the disk).
         """
         self.join()
-        if not self.has_records():
-            return None
+        if not self.has_records() or self.broken is not None:
+            return None  # broken: the next mount seals it ("recovery")
         payload = bytes(self.rows)
         now = time.time_ns()
         self.seq += 1
@@ -555,6 +584,7 @@ class SegmentLog:
     async def sync(self) -> None:
         """Return once every record appended before the call is on stable storage."""
         self.stats.sync_calls += 1
+        self._check()
         await self.join_async()  # records queued for the writer thread: the flush comes after
         goal = (self.seg_id, self.tail)
         if not self._unsynced and not self._dir_dirty and self.synced >= goal:
@@ -564,6 +594,7 @@ class SegmentLog:
         for _ in range(GROUP_YIELDS):
             await trio.sleep(0)
         async with self._flush_lock:
+            self._check()  # a flush failed while we waited for the lock
             if self.synced >= goal and not self._unsynced and not self._dir_dirty:
                 return  # a flush that started after our append covered us
             await self._flush()
@@ -587,9 +618,12 @@ class SegmentLog:
 
         try:
             await trio.to_thread.run_sync(work)
-        except BaseException:
+        except BaseException as e:
             self._unsynced[:0] = sealed
             self._dir_dirty = self._dir_dirty or dir_dirty
+            if isinstance(e, OSError):
+                self._broke(e)
+                self._check()  # EIO with the reason, for this caller too
             raise
         for sfd in sealed:
             os.close(sfd)
@@ -599,17 +633,21 @@ class SegmentLog:
 
     def sync_now(self) -> None:
         """Synchronous flush of whatever sync() has not covered yet (usually very little)."""
+        self._check()
         self.join()
         goal = (self.seg_id, self.tail)
-        for sfd in self._unsynced:
-            os.fdatasync(sfd)
-            os.close(sfd)
-        self._unsynced.clear()
-        if self.fd >= 0 and self.synced < goal:
-            os.fdatasync(self.fd)
-        if self._dir_dirty:
-            os.fsync(self.dir_fd)
-            self._dir_dirty = False
+        try:
+            while self._unsynced:
+                os.fdatasync(self._unsynced[0])
+                os.close(self._unsynced.pop(0))
+            if self.fd >= 0 and self.synced < goal:
+                os.fdatasync(self.fd)
+            if self._dir_dirty:
+                os.fsync(self.dir_fd)
+                self._dir_dirty = False
+        except OSError as e:
+            self._broke(e)
+            self._check()
         self.synced = max(self.synced, goal)
 
     def recover_tail(self, seg_id: int, scan: fmt.ScanResult, rows: bytearray, seq: int) -> None:

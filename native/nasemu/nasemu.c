@@ -186,6 +186,15 @@ static void on_pause(int sig)
 	paused = (sig == SIGUSR1);
 }
 
+/* SIGRTMIN makes every fsync and fsyncdir fail with EIO until SIGRTMIN+1: a disk whose
+ * writeback failed, for tests of what a client does after a failed fsync. */
+static volatile sig_atomic_t fail_fsyncs;
+
+static void on_fsync_fault(int sig)
+{
+	fail_fsyncs = (sig == SIGRTMIN);
+}
+
 static void hold_if_paused(void)
 {
 	if (!paused)
@@ -555,6 +564,8 @@ static int emu_fsync(const char *path, int datasync, struct fuse_file_info *fi)
 		return 0;
 	INC(op_count[OP_FSYNC], 1);
 	charge_meta();
+	if (fail_fsyncs)
+		return -EIO;
 	int r = datasync ? fdatasync(h->fd) : fsync(h->fd);
 	return r == -1 ? -errno : 0;
 }
@@ -643,6 +654,8 @@ static int emu_fsyncdir(const char *path, int datasync, struct fuse_file_info *f
 	(void)path;
 	INC(op_count[OP_FSYNCDIR], 1);
 	charge_meta();
+	if (fail_fsyncs)
+		return -EIO;
 	struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
 	int fd = dirfd(d->dp);
 	int r = datasync ? fdatasync(fd) : fsync(fd);
@@ -710,6 +723,7 @@ static void usage(const char *prog)
 	       "  --direct-io            open files with direct_io (no client page cache)\n"
 	       "  --direct-io-writes     direct_io only for files opened for writing\n"
 	       "  SIGUSR1 / SIGUSR2      hold / release all data writes (to build a backlog)\n"
+	       "  SIGRTMIN / SIGRTMIN+1  fail / stop failing every fsync with EIO\n"
 	       "  --stats-file PATH      write the counters as JSON here at unmount\n"
 	       "  counters: read MOUNTPOINT" STATS_NAME " (JSON)\n\n", prog);
 }
@@ -750,6 +764,9 @@ int main(int argc, char *argv[])
 	sa.sa_flags = SA_RESTART;
 	sigaction(SIGUSR1, &sa, NULL);
 	sigaction(SIGUSR2, &sa, NULL);
+	sa.sa_handler = on_fsync_fault;
+	sigaction(SIGRTMIN, &sa, NULL);
+	sigaction(SIGRTMIN + 1, &sa, NULL);
 	char thr[128];
 	snprintf(thr, sizeof(thr), "-omax_threads=%u,max_idle_threads=16,fsname=nasemu,subtype=nasemu",
 		 opt.threads ? opt.threads : 64);
