@@ -415,7 +415,7 @@ class Daemon:
         self.ops = ops = Operations(self.ns, cfg.nvme, {
             b"user.ckptfs.control": self.control_path.encode(),
             b"user.ckptfs.pid": str(os.getpid()).encode(),
-        }, on_fsync=self._fsync_seen)
+        }, on_fsync=self._fsync_seen, read_only=cfg.read_only)
         opts = set(pyfuse3.default_options)
         # FUSE splits options at commas; a backslash escapes one (and itself)
         fsname = cfg.fsname.replace("\\", "\\\\").replace(",", "\\,")

@@ -77,15 +77,27 @@ def entry(node: Inode) -> pyfuse3.EntryAttributes:
     return a
 
 
+async def _read_only(*_args: Any, **_kwargs: Any) -> Any:
+    raise pyfuse3.FUSEError(errno.EROFS)
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False  # acknowledged data must be in our log, not the kernel's
     enable_acl = False
 
     def __init__(self, ns: Namespace, statfs_path: str, control: dict[bytes, bytes],
-                 on_fsync: Callable[[float], None] | None = None):
+                 on_fsync: Callable[[float], None] | None = None, read_only: bool = False):
         super().__init__()
         self.ns = ns
+        self.read_only = read_only
+        if read_only:
+            # a --read-only mount is mounted `ro`, and the kernel refuses these itself; but
+            # `mount -o remount,rw` flips that flag without asking us, and what would be
+            # written then could never be published (no drain runs) while `wait` says it is
+            for name in ("setattr", "mknod", "mkdir", "symlink", "unlink", "rmdir", "rename",
+                         "link", "create", "write", "setxattr", "removexattr"):
+                setattr(self, name, _read_only)
         self.statfs_path = statfs_path
         self.control = control
         self.on_fsync = on_fsync
@@ -213,6 +225,8 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        if self.read_only and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
+            raise FsError(errno.EROFS, "read-only mount")
         self.ns.open(inode, flags)
         return self._fileinfo(inode, flags, ctx.uid)
 

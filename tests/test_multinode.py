@@ -644,6 +644,20 @@ def test_a_read_only_node_reads_what_others_publish_from_a_read_only_store(
                 assert e.errno == errno.EROFS, e
             else:
                 raise AssertionError("a write succeeded on a --read-only mount")
+        # made writable behind its back (the kernel flips the flag without asking the
+        # daemon): the daemon refuses writes itself, for it could never publish them
+        subprocess.run(["mount", "-i", "-o", "remount,rw", str(r.mnt)], check=True, timeout=30)
+        for attempt in (lambda: (r.mnt / "new").write_bytes(b"x"),
+                        lambda: (r.mnt / "step_1/.metadata").write_bytes(b"x"),
+                        lambda: (r.mnt / "d").mkdir(),
+                        lambda: os.truncate(r.mnt / "step_1/.metadata", 0)):
+            try:
+                attempt()
+            except OSError as e:
+                assert e.errno == errno.EROFS, e
+            else:
+                raise AssertionError("a write succeeded on a --read-only mount remounted rw")
+        assert_tree(first, r.mnt, "the read-only node after the refused writes")
         t0 = time.monotonic()
         wait_published(r.mnt / "step_1", timeout=10)
         assert time.monotonic() - t0 < 5, "wait on a read-only mount waited"
