@@ -257,6 +257,46 @@ def test_a_silent_shared_store_is_reported_and_never_holds_a_command_or_the_daem
         assert export_files(m.shared, "step_2", tmp_path / "out") == {"b": second["step_2/b"]}
 
 
+def test_a_store_whose_fsync_fails_is_retried_from_scratch_and_nothing_is_lost(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """The NAS's fsync fails with EIO (its disk failed a writeback): an object or a manifest
+    whose fsync failed may be missing bytes, so it is never renamed into place; the drain
+    reports EIO and retries with a fresh temp copy. Once the NAS is healthy, everything is
+    published once, whole, and verifies."""
+    sys.path.insert(0, str(REPO))
+    from bench.nasemu import NasEmu
+
+    m = make_mount("a", node_args("n0"), start=False)
+    first = {"step_1/__0_0.distcp": blob("e1", 400_000)}
+    second = {f"step_2/__{r}_0.distcp": blob(f"e2{r}", 900_000 + r) for r in range(3)}
+    with NasEmu(tmp_path / "backing", m.shared, meta_latency_us=0, meta_ops_per_sec=0,
+                bandwidth_mbps=0, log_path=tmp_path / "nasemu.log") as nas:
+        try:
+            m.start()
+            write_tree(m.mnt, first)
+            wait_published(m.mnt / "step_1")
+            published = {p.name for p in objects(m.shared, "n0")}
+            nas.fail_fsyncs()
+            write_tree(m.mnt, second)
+            fsync_path(m.mnt / "step_2/__0_0.distcp")  # the local fsync is not the NAS's
+            res = cli("wait", m.mnt / "step_2", "--timeout", "3", check=False)
+            line = assert_one_line_error(res, "wait while the NAS's fsync fails")
+            assert "timed out" in line and "Input/output error" in line, line
+            st = wait_status(m, lambda s: s["last_error"], 15, "the fsync failure")
+            assert "EIO" in st["last_error"], st
+            assert {p.name for p in objects(m.shared, "n0")} == published, (
+                "an object whose fsync failed was renamed into place")
+        finally:
+            nas.fail_fsyncs(False)
+        wait_published(m.mnt / "step_2", timeout=RECOVER_WITHIN)
+        assert status(m)["last_error"] is None
+        assert temp_files(m.shared) == [], temp_files(m.shared)
+        got = export_files(m.shared, "step_2", tmp_path / "out")
+        assert not tree_diff({k.split("/", 1)[1]: v for k, v in second.items()}, got)
+        assert_fsck_clean(m.shared)
+        m.unmount()
+
+
 def test_mount_comes_up_while_the_store_refuses_its_cleanup(make_mount: MakeMount,
                                                             tmp_path: Path) -> None:
     """A crash left a temp object on SHARED and SHARED is read-only when the node mounts
