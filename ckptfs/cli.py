@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -241,11 +242,33 @@ def _wait_all_nodes(a: argparse.Namespace) -> None:
     ret = tuple(st.get("retain") or ()) or ("*",)
     marks = tuple(st.get("markers") or ())
     deadline = None if a.timeout is None else time.monotonic() + a.timeout
-    while True:
+
+    def look() -> Any:
         view = merged_view(store)
-        cps = {c.name: c for c in checkpoints(view, ret + (top,), marks, need,
-                                              top_marker_targets(store, view))}
-        c = cps.get(top)
+        return {c.name: c for c in checkpoints(view, ret + (top,), marks, need,
+                                               top_marker_targets(store, view))}.get(top)
+
+    while True:
+        # on a thread the timeout can leave behind: a hung NAS would block a look forever
+        box: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                box.append((True, look()))
+            except BaseException as e:  # raised below, on this thread
+                box.append((False, e))
+
+        t = threading.Thread(target=run, daemon=True, name="ckptfs-all-nodes")
+        t.start()
+        # a look started before the deadline may finish after it (it takes milliseconds);
+        # one that takes 10 s past it is stuck
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()) + 10)
+        if not box:
+            raise CliError(f"{a.path}: timed out waiting for all nodes (still reading the "
+                           f"shared store: a hung NAS?)")
+        ok, c = box[0]
+        if not ok:
+            raise c
         if c is not None and c.complete:
             return
         if deadline is not None and time.monotonic() > deadline:

@@ -679,3 +679,20 @@ def test_a_read_only_node_reads_what_others_publish_from_a_read_only_store(
             "the read-only node put something on SHARED"
     finally:
         subprocess.run(["umount", "-l", str(view)], check=False, timeout=30)
+
+
+def test_wait_all_nodes_returns_once_every_node_published_and_the_marker_is_out(
+        make_mount: MakeMount) -> None:
+    """`wait --all-nodes N`: a checkpoint counts as saved on SHARED only when N nodes have
+    published files under it and its commit marker is published (read from SHARED as any
+    node would). Before that it times out saying how far it got."""
+    a, b = two_nodes(make_mount)
+    write_tree(a.mnt, {"step_1/__0_0.distcp": blob("w0", 200_000)})
+    write_tree(a.mnt, {"step_1/.metadata": b"meta"})  # rank 0's marker, last on its node
+    res = cli("wait", a.mnt / "step_1", "--all-nodes", "2", "--timeout", "4", check=False)
+    assert res.returncode == 1 and "1/2 published, marker yes" in res.stderr, res.stderr
+    write_tree(b.mnt, {"step_1/__1_0.distcp": blob("w1", 200_000)})
+    wait_published(b.mnt / "step_1")
+    cli("wait", a.mnt / "step_1", "--all-nodes", "2", "--timeout", "30")
+    res = cli("wait", b.mnt / "step_1", "--all-nodes", "3", "--timeout", "3", check=False)
+    assert res.returncode == 1 and "2/3 published" in res.stderr, res.stderr
