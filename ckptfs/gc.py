@@ -228,8 +228,18 @@ class Collector:
             return True
         if not force:
             return False
+
+        started = time.time()
+
+        async def unless_failing(_info: dict) -> None:
+            # a publish that failed again since we began waiting (its retries back off to
+            # 10 s) is an outage, which the rest of 30 s will not end: say so now
+            st = self.drain.stats
+            if st.last_error and (st.last_error_time or 0) > started:
+                raise RuntimeError(f"the drain fails: {st.last_error}")
+
         try:
-            await self.drain.wait_seq(self.drain.published_seq, 30.0)
+            await self.drain.wait_seq(self.drain.published_seq, 30.0, unless_failing)
         except Exception as e:  # noqa: BLE001 - a timeout or a failing store: no GC now
             self.skipped = f"no manifest on SHARED covers what is published yet ({e})"
             log.warning("gc: %s", self.skipped)
