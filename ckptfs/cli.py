@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -227,7 +226,7 @@ def _wait_all_nodes(a: argparse.Namespace) -> None:
     its marker is there (read from SHARED, like any other node would)."""
     from ckptfs import api
     from ckptfs.export import checkpoints, merged_view, top_marker_targets
-    from ckptfs.shared import open_store
+    from ckptfs.shared import bounded, open_store
 
     st = api.status(a.path)
     need = a.all_nodes if a.all_nodes > 0 else int(st.get("nodes_required") or 0)
@@ -249,26 +248,14 @@ def _wait_all_nodes(a: argparse.Namespace) -> None:
                                                top_marker_targets(store, view))}.get(top)
 
     while True:
-        # on a thread the timeout can leave behind: a hung NAS would block a look forever
-        box: list[tuple[bool, Any]] = []
-
-        def run() -> None:
-            try:
-                box.append((True, look()))
-            except BaseException as e:  # raised below, on this thread
-                box.append((False, e))
-
-        t = threading.Thread(target=run, daemon=True, name="ckptfs-all-nodes")
-        t.start()
-        # a look started before the deadline may finish after it (it takes milliseconds);
-        # one that takes 10 s past it is stuck
-        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()) + 10)
-        if not box:
+        # a hung NAS would block a look forever; one started before the deadline may end
+        # after it (it takes milliseconds), one that takes 10 s past it is stuck
+        try:
+            c = bounded(look, None if deadline is None
+                        else max(0.0, deadline - time.monotonic()) + 10)
+        except TimeoutError:
             raise CliError(f"{a.path}: timed out waiting for all nodes (still reading the "
-                           f"shared store: a hung NAS?)")
-        ok, c = box[0]
-        if not ok:
-            raise c
+                           f"shared store: a hung NAS?)") from None
         if c is not None and c.complete:
             return
         if deadline is not None and time.monotonic() > deadline:

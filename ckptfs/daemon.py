@@ -538,17 +538,24 @@ class Daemon:
         return max((st.watch.stalled() for st in stores if st is not None),
                    default=(0.0, ""))
 
+    def silent_for(self, seconds: float, until: threading.Event | None = None
+                   ) -> tuple[float, str]:
+        """Block (a thread of its own) until the shared store has been silent for `seconds`
+        while calls wait (shared_stall); that stall. (0.0, "") if `until` is set first."""
+        until = until or threading.Event()
+        while not until.wait(0.5):
+            stall = self.shared_stall()
+            if stall[0] >= seconds:
+                return stall
+        return 0.0, ""
+
     def _exit_without_the_store(self) -> None:
         """Unmounted, with calls into a shared store that does not answer: they would hold
         the exit forever (a thread blocked in an NFS or FUSE request cannot be interrupted
         from Python). Exit without them once the store has been silent for EXIT_GRACE.
         Nothing is lost: what the calls were for is redone after the next mount, as after
         a SIGKILL, and the log the next mount replays is flushed first."""
-        while True:
-            time.sleep(0.5)
-            stall, what = self.shared_stall()
-            if stall >= EXIT_GRACE:
-                break
+        stall, what = self.silent_for(EXIT_GRACE)
         log.error("unmounted, but %s: exiting without it; what it owes is published after "
                   "the next mount", describe_stall(stall, what))
         try:
@@ -800,11 +807,10 @@ def _give_up_on_a_silent_store(d: Daemon, ready_fd: int, settled: threading.Even
     the daemon prepares (it reads this node's objects and the other nodes' manifests), say
     so in one line and exit, as `mount` does when the store is silent from the start. Nothing
     is mounted yet, and what was written to NVME is as after a SIGKILL."""
-    while not settled.wait(0.5):  # set once mounted, or once the start failed
-        stall, what = d.shared_stall()
-        if 0 < ANSWER_TIMEOUT <= stall:
-            break
-    else:
+    if ANSWER_TIMEOUT <= 0:
+        return
+    stall, what = d.silent_for(ANSWER_TIMEOUT, until=settled)  # set once mounted, or failed
+    if not stall:
         return
     msg = f"SHARED {d.cfg.shared}: {describe_stall(stall, what)}; nothing was mounted"
     log.error("%s", msg)

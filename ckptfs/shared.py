@@ -121,36 +121,50 @@ def watched(what: str) -> Callable[[F], F]:
     return deco
 
 
-def answers(path: str, timeout: float = ANSWER_TIMEOUT) -> None:
-    """Whether the directory `path` answers a stat and a listing within `timeout` seconds
-    (0: wait as long as it takes). Raises SharedError with one line if it is missing, not a
-    directory, or silent. A silent NAS leaves the asking thread blocked in the kernel; it is
-    a daemon thread, and the process exits without it (NFS and FUSE waits are killable)."""
-    outcome: list[BaseException | None] = []
+R = TypeVar("R")
 
-    def look() -> None:
+
+def bounded(fn: Callable[[], R], timeout: float | None) -> R:
+    """fn() on a thread of its own, given `timeout` seconds (None: as long as it takes);
+    its result, or its exception raised here. TimeoutError if it has not returned: then it
+    is left behind, blocked (a silent NAS blocks a call in the kernel, where nothing can
+    interrupt it). It is a daemon thread, and the process exits without it (NFS and FUSE
+    waits end on a fatal signal)."""
+    box: list[tuple[bool, Any]] = []
+
+    def run() -> None:
         try:
-            os.listdir(path)
-            outcome.append(None)
-        except BaseException as e:  # reported by the caller's thread
-            outcome.append(e)
+            box.append((True, fn()))
+        except BaseException as e:  # raised on the caller's thread
+            box.append((False, e))
 
-    t = threading.Thread(target=look, name="ckptfs-shared-probe", daemon=True)
+    t = threading.Thread(target=run, name="ckptfs-bounded", daemon=True)
     t.start()
-    t.join(timeout if timeout > 0 else None)
-    if not outcome:
+    t.join(timeout)
+    if not box:
+        raise TimeoutError(f"no answer in {timeout:.0f} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def answers(path: str, timeout: float = ANSWER_TIMEOUT) -> None:
+    """Whether the directory `path` answers a listing within `timeout` seconds (0: wait as
+    long as it takes). Raises SharedError with one line if it is missing, not a directory,
+    or silent."""
+    try:
+        bounded(lambda: os.listdir(path), timeout if timeout > 0 else None)
+    except TimeoutError:
         raise SharedError(f"{path} does not answer: no reply to a directory listing in "
                           f"{timeout:.0f} s (is the NAS or its network down? "
-                          f"CKPTFS_SHARED_TIMEOUT sets how long to wait)")
-    err = outcome[0]
-    if isinstance(err, FileNotFoundError):
-        raise SharedError(f"directory {path} does not exist")
-    if isinstance(err, NotADirectoryError):
-        raise SharedError(f"{path} is not a directory")
-    if isinstance(err, OSError):
-        raise SharedError(f"{path}: {describe_oserror(err)}")
-    if err is not None:
-        raise err
+                          f"CKPTFS_SHARED_TIMEOUT sets how long to wait)") from None
+    except FileNotFoundError:
+        raise SharedError(f"directory {path} does not exist") from None
+    except NotADirectoryError:
+        raise SharedError(f"{path} is not a directory") from None
+    except OSError as e:
+        raise SharedError(f"{path}: {describe_oserror(e)}") from None
 
 
 class UploadStopped(OSError):

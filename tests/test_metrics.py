@@ -35,7 +35,8 @@ def test_metrics_and_log_file(make_mount, tmp_path) -> None:
     text = wait_for(scrape, 20, "metrics to show the fsyncs")
     for name in ("ckptfs_bytes_pending_upload",
                  'ckptfs_segments{state="active"}', "ckptfs_local_bytes_free",
-                 "ckptfs_drain_error 0.0", "ckptfs_drain_failing_seconds 0.0"):
+                 "ckptfs_drain_error 0.0", "ckptfs_drain_failing_seconds 0.0",
+                 "ckptfs_shared_stalled_seconds 0.0"):
         assert name in text, name
     m.unmount()
     assert "mounted" in log.read_text() and "unmounted" in log.read_text()

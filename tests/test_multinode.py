@@ -607,6 +607,21 @@ def test_any_name_linux_allows_is_published_and_exported_byte_for_byte(
             assert fh.read() == data, name
 
 
+def assert_erofs(mnt: Path, what: str) -> None:
+    """Every kind of change to `mnt` (which holds step_1/.metadata) fails with EROFS."""
+    meta = mnt / "step_1/.metadata"
+    for attempt in (lambda: (mnt / "new").write_bytes(b"x"), lambda: meta.write_bytes(b"x"),
+                    lambda: os.truncate(meta, 0), lambda: (mnt / "d").mkdir(),
+                    lambda: meta.unlink(), lambda: os.rename(mnt / "step_1", mnt / "step_9"),
+                    lambda: os.chmod(meta, 0o600)):
+        try:
+            attempt()
+        except OSError as e:
+            assert e.errno == errno.EROFS, (what, e)
+        else:
+            raise AssertionError(f"a change succeeded on {what}")
+
+
 def test_a_read_only_node_reads_what_others_publish_from_a_read_only_store(
         make_mount: MakeMount, tmp_path: Path) -> None:
     """An evaluation node that only reads checkpoints, on SHARED mounted read-only: it sees
@@ -633,30 +648,11 @@ def test_a_read_only_node_reads_what_others_publish_from_a_read_only_store(
         r.shared = view
         r.start()
         assert_tree(first, r.mnt, "the read-only node")
-        for attempt in (lambda: (r.mnt / "new").write_bytes(b"x"),
-                        lambda: (r.mnt / "step_1/.metadata").write_bytes(b"x"),
-                        lambda: (r.mnt / "d").mkdir(),
-                        lambda: (r.mnt / "step_1/.metadata").unlink(),
-                        lambda: os.rename(r.mnt / "step_1", r.mnt / "step_9")):
-            try:
-                attempt()
-            except OSError as e:
-                assert e.errno == errno.EROFS, e
-            else:
-                raise AssertionError("a write succeeded on a --read-only mount")
+        assert_erofs(r.mnt, "a --read-only mount")
         # made writable behind its back (the kernel flips the flag without asking the
         # daemon): the daemon refuses writes itself, for it could never publish them
         subprocess.run(["mount", "-i", "-o", "remount,rw", str(r.mnt)], check=True, timeout=30)
-        for attempt in (lambda: (r.mnt / "new").write_bytes(b"x"),
-                        lambda: (r.mnt / "step_1/.metadata").write_bytes(b"x"),
-                        lambda: (r.mnt / "d").mkdir(),
-                        lambda: os.truncate(r.mnt / "step_1/.metadata", 0)):
-            try:
-                attempt()
-            except OSError as e:
-                assert e.errno == errno.EROFS, e
-            else:
-                raise AssertionError("a write succeeded on a --read-only mount remounted rw")
+        assert_erofs(r.mnt, "a --read-only mount remounted rw")
         assert_tree(first, r.mnt, "the read-only node after the refused writes")
         t0 = time.monotonic()
         wait_published(r.mnt / "step_1", timeout=10)
