@@ -217,8 +217,11 @@ def cmd_mount(a: argparse.Namespace) -> int:
     if a.cold and not a.keep_shared:
         raise CliError("--cold needs --keep-shared M: checkpoints older than the newest M move "
                        "to the cold tier")
-    if a.cold and not a.cold.startswith("s3://") and not os.path.isdir(a.cold):
-        raise CliError(f"cold tier directory {a.cold} does not exist")
+    if a.cold and not a.cold.startswith("s3://"):
+        try:  # a cold tier on a hung NAS: one line, not a hang
+            answers(a.cold)
+        except SharedError as e:
+            raise CliError(f"cold tier {e}") from None
     if a.node_id:
         cfg.node_id = a.node_id
     if a.foreground:
