@@ -29,7 +29,7 @@ from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.drain import PUBLISHED_DIR
 from ckptfs.index import VSEG_BIT, ROOT_INO, Index, IndexCommitError, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
-from ckptfs.shared import (ANSWER_TIMEOUT, PUBLISH_BATCH, SharedError, SharedStore, answers,
+from ckptfs.shared import (ANSWER_TIMEOUT, PUBLISH_BATCH, SharedError, SharedStore,
                            check_node_id, describe_oserror, describe_stall, open_store)
 from ckptfs.log import PIPELINE, SegmentLog
 from ckptfs.namespace import Namespace
@@ -209,14 +209,11 @@ class Daemon:
     def prepare(self) -> None:
         """Everything that can fail with a clear message, before the mount exists."""
         cfg = self.cfg
+        # SHARED was probed by `mount` just before (lifecycle.cmd_mount: shared.answers);
+        # a store that goes silent after that is _give_up_on_a_silent_store's
         for what, d in (("NVME", cfg.nvme), ("MOUNTPOINT", cfg.mountpoint)):
             if not os.path.isdir(d):
                 raise CliError(f"{what} directory {d} does not exist")
-        if not cfg.shared.startswith("s3://"):
-            try:
-                answers(cfg.shared)
-            except SharedError as e:
-                raise CliError(f"SHARED {e}") from None
         if not os.path.exists("/dev/fuse"):
             raise CliError("/dev/fuse is missing: load the fuse module or run the container "
                            "with --device /dev/fuse")
