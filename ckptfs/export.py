@@ -189,6 +189,7 @@ def export(store: SharedStore, prefix: str, dest: str,
     os.makedirs(dest, exist_ok=True)
     total = sum(e.size for _r, _n, e in items if e.type == "f")
     done = files = 0
+    dirs: list[tuple[str, int]] = []  # their mtimes are set last: writing in them moves them
     for rel, _node, e in items:
         if not rel:
             if e.type == "d":
@@ -202,6 +203,7 @@ def export(store: SharedStore, prefix: str, dest: str,
             raise ExportError(f"refusing to write through a symlink: {rel!r}")
         if e.type == "d":
             os.chmod(target, (e.mode & 0o777) | stat.S_IRWXU)
+            dirs.append((target, e.mtime_ns))
             continue
         if os.path.lexists(target) and (os.path.islink(target) or not os.path.isfile(target)):
             if os.path.isdir(target) and not os.path.islink(target):
@@ -210,6 +212,7 @@ def export(store: SharedStore, prefix: str, dest: str,
                 os.unlink(target)
         if e.type == "l":
             os.symlink(e.target, target)
+            os.utime(target, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
             continue
         # written beside its name and renamed onto it once whole: a failed export (a damaged
         # record, a full disk) never leaves a partial file, nor truncates a good earlier copy
@@ -237,6 +240,8 @@ def export(store: SharedStore, prefix: str, dest: str,
                 raise ExportError(f"{rel}: {os.strerror(exc.errno or 0)}") from None
             raise
         files += 1
+    for target, mtime_ns in reversed(dirs):  # children before their parents
+        os.utime(target, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
     return files, done
 
 

@@ -39,7 +39,7 @@ from ckptfs import manifest
 from ckptfs.errors import FsError
 from ckptfs.index import ROOT_INO
 from ckptfs.namespace import Namespace
-from ckptfs.segment import RecType
+from ckptfs.segment import SET_MTIME, RecType, setattr_body
 from ckptfs.shared import SharedStore
 
 log = logging.getLogger(__name__)
@@ -236,6 +236,8 @@ class Refresher:
         for e in m.entries:
             (markers if e.type == "f" and self.is_marker(e.path) else ordered).append(e)
         dirs = set(self._dir_mtime)  # the directories it lists or needs (self.listed)
+        before = {path: mtime for path in self._dir_mtime
+                  if (mtime := self._dir_mtime_here(path)) is not None}
         for e in ordered + markers:
             present.add(e.path)
             cut = e.path.rfind("/")
@@ -255,10 +257,33 @@ class Refresher:
             changed += self._apply_tombstones(node)
             self._drop_tombstones(node, m)
             yield changed
+        self._restore_dir_mtimes(before)
         if changed:
             log.info("imported %d changes from node %s (manifest %016x)", changed, node, m.seq)
         self.imported += changed
         yield changed
+
+    def _dir_mtime_here(self, path: str) -> int | None:
+        where = self._lookup_parent(path)
+        ino = self.ns.index.lookup(*where) if where is not None else None
+        node = self.ns.index.get_inode(ino) if ino is not None else None
+        return node.mtime_ns if node is not None and node.is_dir else None
+
+    def _restore_dir_mtimes(self, before: dict[str, int]) -> None:
+        """A directory's mtime is the newer of the manifest's and this node's own, as it
+        was before the import added or removed entries in it (each of which moves it to
+        now): `ls -t` on a reader orders checkpoint directories as on their writer."""
+        idx = self.ns.index
+        for path, remote in self._dir_mtime.items():
+            where = self._lookup_parent(path)
+            ino = idx.lookup(*where) if where is not None else None
+            node = idx.get_inode(ino) if ino is not None else None
+            if node is None or not node.is_dir:
+                continue
+            want = max(remote, before.get(path, remote))
+            if node.mtime_ns != want:
+                self.ns.record(RecType.SETATTR, ino, 0, setattr_body(SET_MTIME, mtime_ns=want))
+                self.invalidate.append(ino)
 
     def _parent(self, path: str, node_id: str = "", mtime_ns: int = 0) -> tuple[int, bytes]:
         """(parent inode, name) for path, creating missing directories.

@@ -692,3 +692,47 @@ def test_wait_all_nodes_returns_once_every_node_published_and_the_marker_is_out(
     cli("wait", a.mnt / "step_1", "--all-nodes", "2", "--timeout", "30")
     res = cli("wait", b.mnt / "step_1", "--all-nodes", "3", "--timeout", "3", check=False)
     assert res.returncode == 1 and "2/3 published" in res.stderr, res.stderr
+
+
+def test_directory_and_symlink_mtimes_reach_other_nodes_and_export(make_mount: MakeMount,
+                                                                   tmp_path: Path) -> None:
+    """`ls -t` on a reader, and on an export, orders checkpoint directories as on the node
+    that wrote them. An import used to leave each directory with the time its entries were
+    imported (every create moves its parent's mtime), so a fresh node's `ls -t` gave the
+    order of the import, and an export the time of the export."""
+    a = start_node(make_mount, "a", "n0")
+    write_tree(a.mnt, {"step_10/x": b"10", "step_2/sub/y": b"2", "step_1/z": b"1"})
+    os.symlink("step_10", a.mnt / "last")
+    # step_1 oldest, step_2 next, step_10 newest; a name order that the time order is not
+    when = {"step_1": 1_700_000_000_111_111_111, "step_2/sub": 1_700_000_050_000_000_001,
+            "step_2": 1_700_000_100_222_222_222, "step_10": 1_700_000_200_333_333_333}
+    for d, t in when.items():
+        os.utime(a.mnt / d, ns=(t, t))
+    os.utime(a.mnt / "last", ns=(1_700_000_300_000_000_000,) * 2, follow_symlinks=False)
+    wait_published(a.mnt)
+
+    def mtimes(root: Path) -> dict[str, int]:
+        out = {d: os.stat(root / d).st_mtime_ns for d in when}
+        out["last"] = os.lstat(root / "last").st_mtime_ns
+        return out
+
+    expected = mtimes(a.mnt)
+    assert expected == {**when, "last": 1_700_000_300_000_000_000}, expected
+    b = start_node(make_mount, "b", "n1", shared=a.shared)
+    assert mtimes(b.mnt) == expected, "a fresh node's directories have other mtimes"
+    export_files(a.shared, "", tmp_path / "out")
+    assert mtimes(tmp_path / "out") == expected, "the export's directories have other mtimes"
+
+    # a new file on the writer moves its directory there, and so on the reader (not to the
+    # time of the reader's import)
+    time.sleep(0.05)
+    write_tree(a.mnt, {"step_1/late": b"later"})
+    moved = os.stat(a.mnt / "step_1").st_mtime_ns
+    assert moved > when["step_1"]
+    wait_published(a.mnt)
+    status(b, refresh=True)
+    assert (b.mnt / "step_1/late").read_bytes() == b"later"
+    assert os.stat(b.mnt / "step_1").st_mtime_ns == moved, "the reader's import moved it"
+    # and what this node writes into that directory moves it here, as any write does
+    write_tree(b.mnt, {"step_2/mine": b"n1's"})
+    assert os.stat(b.mnt / "step_2").st_mtime_ns > when["step_2"]
