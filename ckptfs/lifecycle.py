@@ -147,12 +147,18 @@ def _daemon_publishing_as(node: str, shared: str, nvme: str) -> dict | None:
     return None
 
 
+def _within(path: str, top: str) -> bool:
+    """path is top or below it, symlinks resolved."""
+    path, top = os.path.realpath(path), os.path.realpath(top)
+    return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
+
+
 def cmd_mount(a: argparse.Namespace) -> int:
     from ckptfs.cache import CacheConfig
     from ckptfs.daemon import MountConfig, run_foreground
     from ckptfs.retention import DEFAULT_MARKERS, DEFAULT_RETAIN, RetentionConfig
 
-    nvme, mnt = os.path.abspath(a.nvme), os.path.abspath(a.mountpoint)
+    nvme, mnt = os.path.abspath(a.nvme), layout.mount_path(a.mountpoint)
     shared = a.shared if a.shared.startswith("s3://") else os.path.abspath(a.shared)
     if not os.path.isdir(nvme):
         raise CliError(f"NVME directory {nvme} does not exist")
@@ -162,6 +168,12 @@ def cmd_mount(a: argparse.Namespace) -> int:
         except SharedError as e:
             raise CliError(f"SHARED {e}") from None
     check_mountpoint(mnt)
+    a.mountpoint = mnt  # what the daemon mounts on, and what /proc/mounts will show
+    for what, d in (("NVME", nvme), ("SHARED", shared), ("--cold", a.cold or "")):
+        if d and not d.startswith("s3://") and _within(d, mnt):
+            # the daemon would reach its own files through its own mount, and wait for itself
+            raise CliError(f"{what} {d} is inside MOUNTPOINT {mnt}: the mount would hide it "
+                           f"from the daemon; put it outside the mount point")
     if not 0 < a.low_watermark <= a.high_watermark <= 1:
         raise CliError("watermarks must satisfy 0 < --low-watermark <= --high-watermark <= 1")
     if a.upload_streams is None:
@@ -271,6 +283,12 @@ def _daemonize(a: argparse.Namespace, mnt: str, nvme: str) -> int:
         except OSError:
             pass
         if time.monotonic() > deadline or proc.poll() is not None:
+            if proc.poll() is None:  # never leave a daemon (and its mount) behind an error
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
             raise CliError(f"the daemon started but {mnt} did not become usable (log: {log_file})")
         time.sleep(0.02)
     print(f"mounted {mnt} (daemon pid {proc.pid}, log {log_file})")

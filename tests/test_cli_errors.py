@@ -97,6 +97,47 @@ def test_mount_with_a_missing_directory(cli_cleanup: Path, missing: str, foregro
     wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
 
 
+@pytest.mark.parametrize("inside", ["nvme", "shared", "cold"])
+def test_a_directory_inside_the_mount_point_is_refused(cli_cleanup: Path, inside: str) -> None:
+    """The daemon would reach NVME, SHARED or the cold tier through its own mount, hidden
+    under it, and wait for itself: the mount used to come up and then hang."""
+    root = cli_cleanup
+    (mnt,) = dirs(root, "mnt")
+    paths = {n: (mnt if n == inside else root) / n for n in ("nvme", "shared", "cold")}
+    dirs(root, *(str(p.relative_to(root)) for p in paths.values()))
+    (root / "link").symlink_to(mnt)  # also when it is named through a symlink
+    paths[inside] = root / "link" / inside
+    res = run_cli("mount", paths["nvme"], paths["shared"], mnt, "--cold", paths["cold"],
+                  "--keep-shared", "1", timeout=60)
+    line = assert_error_line(res, "inside", "mount")
+    assert str(paths[inside]) in line, line
+    assert fuse_mounts_under(root) == []
+    wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
+
+
+def test_mount_and_umount_through_a_symlink_to_the_mount_point(cli_cleanup: Path) -> None:
+    """The kernel mounts on what a symlink names; `mount` used to poll the symlink's own path
+    in /proc/mounts, report `did not become usable` and leave the daemon and its mount."""
+    nvme, shared, mnt = dirs(cli_cleanup, "nvme", "shared", "mnt")
+    (cli_cleanup / "sub").mkdir()
+    (cli_cleanup / "sub" / "hop").symlink_to("../mnt")
+    link = cli_cleanup / "link"
+    link.symlink_to("sub/hop")
+    res = run_cli("mount", nvme, shared, str(link) + "/", timeout=60)
+    assert res.rc == 0, str(res)
+    assert f"mounted {mnt} " in res.out, res.out
+    assert is_mounted(mnt)
+    (link / "f").write_bytes(b"through the link")
+    assert run_cli("status", link).rc == 0
+    assert_error_line(run_cli("mount", nvme, shared, link, timeout=60), "already")
+    res = run_cli("umount", link, timeout=60)
+    assert res.rc == 0, str(res)
+    assert not is_mounted(mnt, None)
+    assert run_cli("mount", nvme, shared, mnt, timeout=60).rc == 0
+    assert (mnt / "f").read_bytes() == b"through the link"
+    assert run_cli("umount", mnt, timeout=60).rc == 0
+
+
 def test_mount_onto_a_live_mount(make_mount: MakeMount, tmp_path: Path) -> None:
     m = make_mount()
     (m.mnt / "keep").write_bytes(b"still here")
