@@ -226,6 +226,7 @@ def _wait_all_nodes(a: argparse.Namespace) -> None:
     its marker is there (read from SHARED, like any other node would)."""
     from ckptfs import api
     from ckptfs.export import checkpoints, merged_view, top_marker_targets
+    from ckptfs.retention import checkpoint_of
     from ckptfs.shared import bounded, open_store
 
     st = api.status(a.path)
@@ -236,16 +237,18 @@ def _wait_all_nodes(a: argparse.Namespace) -> None:
     from ckptfs import control
 
     _sock, rel = control.find_socket(a.path)
-    top = rel.split("/", 1)[0]
     store = open_store(st["shared"])
     ret = tuple(st.get("retain") or ()) or ("*",)
     marks = tuple(st.get("markers") or ())
+    # the checkpoint PATH is or lies in; else its top-level directory counts as one
+    top = checkpoint_of(rel, ret, True) or rel.split("/", 1)[0]
+    ret += (top.rsplit("/", 1)[-1],)
     deadline = None if a.timeout is None else time.monotonic() + a.timeout
 
     def look() -> Any:
         view = merged_view(store)
-        return {c.name: c for c in checkpoints(view, ret + (top,), marks, need,
-                                               top_marker_targets(store, view))}.get(top)
+        return {c.name: c for c in checkpoints(view, ret, marks, need,
+                                               top_marker_targets(store, view, ret))}.get(top)
 
     while True:
         # a hung NAS would block a look forever; one started before the deadline may end
@@ -287,9 +290,9 @@ def cmd_ls(a: argparse.Namespace) -> int:
     for err in view.errors:
         print(f"ckptfs: warning: ignoring {err}", file=sys.stderr)
     if not a.path and not a.files:
-        cps = checkpoints(view, tuple(a.retain or DEFAULT_RETAIN),
-                          tuple(a.marker or DEFAULT_MARKERS), a.nodes,
-                          top_marker_targets(store, view))
+        retain = tuple(a.retain or DEFAULT_RETAIN)
+        cps = checkpoints(view, retain, tuple(a.marker or DEFAULT_MARKERS), a.nodes,
+                          top_marker_targets(store, view, retain))
         if a.json:
             print(json.dumps([c.__dict__ for c in cps], indent=1))
             return 0
@@ -306,7 +309,8 @@ def cmd_ls(a: argparse.Namespace) -> int:
             t.add_row(c.name, str(c.files), _human(c.bytes), ",".join(c.nodes),
                       "+".join(sorted(c.tiers)) or "-", state)
         Console().print(t)
-        others = sum(1 for p in view.entries if "/" not in p and p not in {c.name for c in cps})
+        holding = {c.name.split("/", 1)[0] for c in cps}
+        others = sum(1 for p in view.entries if "/" not in p and p not in holding)
         if others:
             print(f"({others} other top-level entries; `ckptfs ls {a.shared} --files` lists "
                   f"everything)")

@@ -270,16 +270,19 @@ class CheckpointSummary:
 def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
                 nodes_required: int = 0,
                 named: set[str] | frozenset[str] = frozenset()) -> list[CheckpointSummary]:
-    """Top-level checkpoint directories of the merged view, with completeness.
+    """Checkpoint directories of the merged view (retention.py's rule: at any of the first
+    MAX_DEPTH levels, not inside another), with completeness.
 
-    Complete = a commit marker is published (inside the directory, or a top-level `latest`
+    Complete = a commit marker is published (inside the directory, or a `latest` beside it
     naming it) and, with nodes_required=N, at least N nodes published files under it."""
     import fnmatch
 
+    from ckptfs.retention import checkpoint_of
+
     out: dict[str, CheckpointSummary] = {}
     for path, (node, e) in sorted(view.entries.items()):
-        top = path.split("/", 1)[0]
-        if not any(fnmatch.fnmatchcase(top, g) for g in retain):
+        top = checkpoint_of(path, retain, e.type == "d")
+        if top is None:
             continue
         c = out.setdefault(top, CheckpointSummary(top, 0, 0, [], False, False, []))
         if e.type == "f":
@@ -303,20 +306,24 @@ def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
     return sorted(out.values(), key=lambda c: _natural(c.name))
 
 
-def top_marker_targets(store: SharedStore, view: View) -> set[str]:
-    """Checkpoint names that top-level marker files (DeepSpeed's `latest`) point at."""
-    from ckptfs.retention import TOP_MARKERS
+def top_marker_targets(store: SharedStore, view: View,
+                       retain: tuple[str, ...] = ()) -> set[str]:
+    """Checkpoint paths that marker files beside them (DeepSpeed's `latest`) point at: those
+    at the top, and those in the directories above MAX_DEPTH outside any checkpoint."""
+    from ckptfs.retention import MAX_DEPTH, TOP_MARKERS, checkpoint_of
 
     out: set[str] = set()
-    for name in TOP_MARKERS:
-        hit = view.entries.get(name)
-        if hit is None or hit[1].type != "f" or hit[1].size > 4096:
+    for path, (_node, e) in view.entries.items():
+        parent, _, name = path.rpartition("/")
+        if name not in TOP_MARKERS or e.type != "f" or e.size > 4096 \
+                or path.count("/") >= MAX_DEPTH or checkpoint_of(path, retain, False):
             continue
         try:
-            data = b"".join(d for _o, d in read_file(view.resolver or store, hit[1]))
+            data = b"".join(d for _o, d in read_file(view.resolver or store, e))
         except (OSError, ExportError):
             continue
-        out.add(os.path.basename(data.decode(errors="replace").strip().rstrip("/")))
+        target = os.path.basename(data.decode(errors="replace").strip().rstrip("/"))
+        out.add(f"{parent}/{target}" if parent else target)
     return out
 
 

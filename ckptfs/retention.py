@@ -1,10 +1,14 @@
-"""Checkpoint awareness: which top-level directories are checkpoints, which are complete, and
-how many to keep on each tier.
+"""Checkpoint awareness: which directories are checkpoints, which are complete, and how many
+to keep on each tier.
 
-A checkpoint is a top-level directory whose name matches a `--retain` glob (default `step_*`,
-`checkpoint-*`, `global_step*`). It is *complete* once it holds a commit marker (a file whose
-name matches a `--marker` glob: DCP's `.metadata`, HF's `trainer_state.json`), or once a
-top-level marker file (DeepSpeed's `latest`) names it. Order is the order in which the
+A checkpoint is a directory whose name matches a `--retain` glob (default `step_*`,
+`checkpoint-*`, `global_step*`), at most MAX_DEPTH levels below the mount's root and not
+inside another checkpoint: `/ckpt/step_100`, and also `/ckpt/<run>/checkpoint-100` (HF's
+output_dir one level down) or `/ckpt/<team>/<run>/global_step100`. The checkpoints of one
+directory (a run) form a group: counts, order and protection apply within each group, so
+one run's new checkpoints never push out another run's. It is *complete* once it holds a
+commit marker (a file whose name matches a `--marker` glob: DCP's `.metadata`, HF's
+`trainer_state.json`), or once a marker file beside it (DeepSpeed's `latest`) names it. Order is the order in which the
 checkpoints completed: the newest modification time of the directory's commit markers (for a
 marker imported from another node, the one it has there: the manifest's). A checkpoint without
 a marker of its own (incomplete, or completed by a top-level marker) counts from its
@@ -52,6 +56,17 @@ TOP_MARKERS = ("latest", "latest_checkpointed_iteration.txt")
 REWALK = 30.0
 IN_PROGRESS = 600.0  # seconds since its directory last changed: an incomplete one is kept
 NO_CUTOFF = (-1, -1)  # below every checkpoint's order
+MAX_DEPTH = 3  # a checkpoint directory is at most this many levels below the mount's root
+
+
+def checkpoint_of(path: str, retain: tuple[str, ...], is_dir: bool) -> str | None:
+    """The checkpoint directory that relative `path` is (is_dir) or lies in, by the rule of
+    the module's docstring, or None. Shared by the mount's retention and `ckptfs ls`."""
+    parts = path.split("/")
+    for i, comp in enumerate(parts[:MAX_DEPTH]):
+        if (is_dir or i < len(parts) - 1) and any(fnmatch.fnmatchcase(comp, g) for g in retain):
+            return "/".join(parts[:i + 1])
+    return None
 
 
 @dataclass
@@ -66,11 +81,20 @@ class RetentionConfig:
 
 @dataclass
 class Checkpoint:
-    name: str
+    name: str  # its path below the mount's root
     ino: int
     order: tuple[int, int]  # (completion or change time ns, directory cookie): see above
+    parent: int = ROOT_INO  # the directory holding it: its group
     complete: bool = False
     segs: set[int] = field(default_factory=set)
+
+
+def by_group(cps: list[Checkpoint]) -> list[list[Checkpoint]]:
+    """The checkpoints of each directory, each list in the order of `cps`."""
+    groups: dict[int, list[Checkpoint]] = {}
+    for c in cps:
+        groups.setdefault(c.parent, []).append(c)
+    return list(groups.values())
 
 
 class Retention:
@@ -87,28 +111,36 @@ class Retention:
         return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
     def checkpoints(self) -> list[Checkpoint]:
-        """Top-level checkpoint directories, oldest first."""
+        """Checkpoint directories (see the module's docstring), oldest first."""
         idx = self.ns.index
         out: list[Checkpoint] = []
-        named_by_top: set[str] = set()
-        for cookie, name, child in idx.readdir(ROOT_INO, 0):
-            sname = os.fsdecode(name)
-            node = idx.get_inode(child)
-            if node is None:
-                continue
-            if node.is_dir and self._matches(sname, self.cfg.retain):
-                out.append(Checkpoint(sname, child, (node.ctime_ns, cookie)))
-            elif stat.S_ISREG(node.mode) and sname in TOP_MARKERS and node.size < 4096:
-                try:
-                    text = self.ns.read(child, 0, 4096).decode(errors="replace").strip()
-                    named_by_top.add(os.path.basename(text.rstrip("/")))
-                except (FsError, OSError):
-                    pass
-        for c in out:
-            done = self._marker_time(c.ino)
-            c.complete = done is not None or c.name in named_by_top
-            if done is not None:
-                c.order = (done, c.order[1])
+        dirs: list[tuple[int, str, int]] = [(ROOT_INO, "", 1)]
+        while dirs:
+            dino, prefix, depth = dirs.pop()
+            found: list[Checkpoint] = []
+            named: set[str] = set()  # what a marker file beside them names
+            for cookie, name, child in idx.readdir(dino, 0):
+                sname = os.fsdecode(name)
+                node = idx.get_inode(child)
+                if node is None:
+                    continue
+                if node.is_dir and self._matches(sname, self.cfg.retain):
+                    found.append(Checkpoint(prefix + sname, child, (node.ctime_ns, cookie),
+                                            dino))
+                elif node.is_dir and depth < MAX_DEPTH:
+                    dirs.append((child, prefix + sname + "/", depth + 1))
+                elif stat.S_ISREG(node.mode) and sname in TOP_MARKERS and node.size < 4096:
+                    try:
+                        text = self.ns.read(child, 0, 4096).decode(errors="replace").strip()
+                        named.add(prefix + os.path.basename(text.rstrip("/")))
+                    except (FsError, OSError):
+                        pass
+            for c in found:
+                done = self._marker_time(c.ino)
+                c.complete = done is not None or c.name in named
+                if done is not None:
+                    c.order = (done, c.order[1])
+            out += found
         out.sort(key=lambda c: c.order)
         return out
 
@@ -156,35 +188,16 @@ class Retention:
     def run_once(self) -> dict[str, Any]:
         """Apply keep-shared (deletes) and compute keep-local protection; returns what it did."""
         cps = self.checkpoints()
-        deleted = []
+        deleted: list[str] = []
         to_cold: set[int] = set()
         band: list[Checkpoint] = []
         self.cold_band = []
         if self.cfg.keep_shared:
-            complete = [c for c in cps if c.complete]
-            keep = self.cfg.keep_shared
-            if len(complete) > keep:
-                hot_cutoff = complete[-keep].order
-                if self.cfg.cold and self.cfg.keep_cold:
-                    total = keep + self.cfg.keep_cold
-                    cutoff = complete[-total].order if len(complete) > total else NO_CUTOFF
-                elif self.cfg.cold:
-                    cutoff = NO_CUTOFF  # keep every older checkpoint, on the cold tier
-                else:
-                    cutoff = hot_cutoff
-                now_ns = time.time_ns()
-                kept = []
-                for c in cps:
-                    if c.order < cutoff and not self._in_progress(c, now_ns):
-                        self._delete(c)
-                        deleted.append(c.name)
-                    else:
-                        kept.append(c)
-                cps = kept
-                if self.cfg.cold:
-                    band = [c for c in cps
-                            if c.order < hot_cutoff and not self._in_progress(c, now_ns)]
-                    self.cold_band = [c.name for c in band]
+            kept = []
+            for group in by_group(cps):
+                kept += self._keep(group, deleted, band)
+            cps = sorted(kept, key=lambda c: c.order)
+            self.cold_band = [c.name for c in band]
         evictable: set[int] = set()
         # walking a checkpoint's files costs O(files): only when the set of checkpoints (or
         # their completeness) changed, or every REWALK seconds
@@ -197,26 +210,64 @@ class Retention:
         self._shape, self._walked = shape, now
         if band:
             to_cold = self._exclusive_segments(band)
-        if cps:
-            newest = cps[-1]
-            self.protected = self._segments_of(newest.ino)
-            if self.cfg.keep_local:
-                keep = cps[-self.cfg.keep_local:]
-                keep_segs: set[int] = set()
-                for c in keep:
+        groups = by_group(cps)
+        self.protected = set()
+        for group in groups:  # each run's newest
+            self.protected |= self._segments_of(group[-1].ino)
+        if self.cfg.keep_local:
+            keep_segs: set[int] = set()
+            old: list[Checkpoint] = []
+            for group in groups:
+                for c in group[-self.cfg.keep_local:]:
                     keep_segs |= self._segments_of(c.ino)
-                for c in cps[:-self.cfg.keep_local]:
-                    evictable |= self._segments_of(c.ino) - keep_segs
+                old += group[:-self.cfg.keep_local]
+            for c in old:
+                evictable |= self._segments_of(c.ino) - keep_segs
         return {"deleted": deleted, "evictable": evictable, "to_cold": to_cold}
+
+    def _keep(self, group: list[Checkpoint], deleted: list[str],
+              band: list[Checkpoint]) -> list[Checkpoint]:
+        """--keep-shared (and the cold tier's bands) within one directory's checkpoints:
+        deletes what goes, adds what moves to the cold tier to `band`; returns the rest."""
+        complete = [c for c in group if c.complete]
+        keep = self.cfg.keep_shared
+        if len(complete) <= keep:
+            return group
+        hot_cutoff = complete[-keep].order
+        if self.cfg.cold and self.cfg.keep_cold:
+            total = keep + self.cfg.keep_cold
+            cutoff = complete[-total].order if len(complete) > total else NO_CUTOFF
+        elif self.cfg.cold:
+            cutoff = NO_CUTOFF  # keep every older checkpoint, on the cold tier
+        else:
+            cutoff = hot_cutoff
+        now_ns = time.time_ns()
+        kept = []
+        for c in group:
+            if c.order < cutoff and not self._in_progress(c, now_ns):
+                self._delete(c)
+                deleted.append(c.name)
+            else:
+                kept.append(c)
+        if self.cfg.cold:
+            band += [c for c in kept if c.order < hot_cutoff and not self._in_progress(c, now_ns)]
+        return kept
 
     def _exclusive_segments(self, band: list[Checkpoint]) -> set[int]:
         """Segments whose live data all belongs to the checkpoints in `band`."""
-        names = {c.name for c in band}
+        inos = {c.ino for c in band}
         inside: set[int] = set()
         outside: set[int] = set()
-        for _cookie, name, child in self.ns.index.readdir(ROOT_INO, 0):
-            segs = self._segments_of_entry(child)
-            (inside if os.fsdecode(name) in names else outside).update(segs)
+        dirs = [ROOT_INO]
+        while dirs:
+            for _cookie, _name, child in self.ns.index.readdir(dirs.pop(), 0):
+                node = self.ns.index.get_inode(child)
+                if child in inos:
+                    inside |= self._segments_of(child)
+                elif node is not None and node.is_dir:
+                    dirs.append(child)
+                else:
+                    outside |= self._segments_of_entry(child)
         return inside - outside
 
     def _segments_of_entry(self, ino: int) -> set[int]:
@@ -240,7 +291,7 @@ class Retention:
             else:
                 self.ns.unlink(parent, name, want_dir=False)
 
-        rm(ROOT_INO, os.fsencode(c.name), c.ino)
+        rm(c.parent, os.fsencode(c.name.rsplit("/", 1)[-1]), c.ino)
         self.deleted.append(c.name)
         del self.deleted[:-20]
         log.info("retention: deleted checkpoint %s (keep-shared %d)", c.name,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import subprocess
 import threading
@@ -268,6 +269,48 @@ def test_retention_orders_checkpoints_by_their_markers_mtime_and_keeps_one_being
     # cutoff at step_13, and step_12 (incomplete, older than step_13) below it
     res = req(m.mnt, op="gc")
     assert sorted(os.listdir(m.mnt)) == ["step_11", "step_12", "step_13"], res
+
+
+def test_checkpoints_of_each_run_directory_are_kept_and_listed_per_run(make_mount) -> None:
+    """HF's output_dir is usually a run directory below the mount (/ckpt/<run>/checkpoint-N),
+    DeepSpeed's `latest` sits beside its global_stepN: checkpoints one or two levels down count
+    as the top-level ones do, and --keep-shared keeps M of each run; a second run's newer
+    checkpoints never push out the first run's. Deeper than MAX_DEPTH, or inside another
+    checkpoint, a matching name is not a checkpoint. Retention used to see top-level
+    directories only (none here), and `ckptfs ls` listed nothing."""
+    m = make_mount(extra_args=["--node-id", "n0", "--keep-shared", "2"], segment_size="1M")
+    for step in (1, 2, 3):  # run a: HF checkpoints, complete by trainer_state.json
+        write(m.mnt / "a" / f"checkpoint-{step}" / "model.safetensors", b"a" * 1000)
+        write(m.mnt / "a" / f"checkpoint-{step}" / "trainer_state.json", b"{}")
+    write(m.mnt / "a" / "config.json", b"{}")  # not a checkpoint: stays
+    b = m.mnt / "team" / "b"
+    for step in (10, 20, 30):  # team/b: DCP-style, complete by .metadata
+        write(b / f"global_step{step}" / "__0_0.distcp", b"b" * 1000)
+        write(b / f"global_step{step}" / ".metadata", b"m")
+    # not checkpoints: too deep, and a matching name inside a checkpoint
+    write(m.mnt / "x" / "y" / "z" / "step_1" / "f", b"deep")
+    write(b / "global_step30" / "step_5" / "g", b"inside")
+    expect_a = ["checkpoint-2", "checkpoint-3", "config.json"]
+    wait_for(lambda: sorted(os.listdir(m.mnt / "a")) == expect_a, 20,
+             "retention to keep the 2 newest checkpoints of run a")
+    wait_for(lambda: sorted(os.listdir(b)) == ["global_step20", "global_step30"], 20,
+             "retention to keep the 2 newest checkpoints of run b")
+    # DeepSpeed: no marker inside, complete once the `latest` beside it names it
+    write(b / "global_step40" / "mp_rank_00_model_states.pt", b"b" * 1000)
+    write(b / "latest", b"global_step40")
+    wait_for(lambda: sorted(os.listdir(b)) == ["global_step30", "global_step40", "latest"],
+             20, "retention to count global_step40 complete by the `latest` beside it")
+    assert sorted(os.listdir(m.mnt / "a")) == expect_a, "run b's checkpoints pushed out run a's"
+    assert (m.mnt / "x" / "y" / "z" / "step_1" / "f").read_bytes() == b"deep"
+    names = [c["name"] for c in status(m.mnt)["retention"]["checkpoints"]]
+    assert sorted(names) == ["a/checkpoint-2", "a/checkpoint-3", "team/b/global_step30",
+                             "team/b/global_step40"], names
+    assert (b / "global_step30" / "step_5" / "g").read_bytes() == b"inside"
+    wait(m.mnt)
+    res = run_cli("ls", m.shared, "--json")
+    assert res.rc == 0, str(res)
+    table = {c["name"]: c["complete"] for c in json.loads(res.out)}
+    assert table == {n: True for n in names}, table
 
 
 def test_superseded_checkpoint_is_dropped_from_the_drain(make_mount) -> None:
