@@ -162,6 +162,10 @@ def cmd_mount(a: argparse.Namespace) -> int:
     shared = a.shared if a.shared.startswith("s3://") else os.path.abspath(a.shared)
     if not os.path.isdir(nvme):
         raise CliError(f"NVME directory {nvme} does not exist")
+    if not os.access(nvme, os.W_OK):
+        why = ("a read-only filesystem" if os.statvfs(nvme).f_flag & os.ST_RDONLY
+               else "permission denied")
+        raise CliError(f"NVME directory {nvme} is not writable ({why})")
     if not shared.startswith("s3://"):
         try:  # a hung NAS answers nothing: say so instead of hanging with it
             answers(shared)
@@ -271,6 +275,7 @@ def _daemonize(a: argparse.Namespace, mnt: str, nvme: str) -> int:
         if msg.startswith("error "):
             raise CliError(msg[6:])
         last = err.splitlines()[-1] if err else f"daemon exited with {proc.returncode}"
+        last = last.removeprefix("ckptfs: error: ")
         raise CliError(f"mount failed: {last} (log: {log_file})")
     if proc.stderr:
         proc.stderr.close()

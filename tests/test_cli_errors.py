@@ -97,6 +97,24 @@ def test_mount_with_a_missing_directory(cli_cleanup: Path, missing: str, foregro
     wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
 
 
+@pytest.mark.parametrize("foreground", [False, True], ids=["daemon", "foreground"])
+def test_mount_on_a_read_only_nvme(cli_cleanup: Path, foreground: bool) -> None:
+    """One line naming NVME and why, not `mount failed: ckptfs: error: NVME/ckptfs.log: ...`
+    from the daemon's first write."""
+    nvme, ro, shared, mnt = dirs(cli_cleanup, "nvme", "ro", "shared", "mnt")
+    subprocess.run(["mount", "--bind", nvme, ro], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", ro], check=True)
+        res = run_cli("mount", ro, shared, mnt, *(["--foreground"] if foreground else []),
+                      timeout=60)
+        line = assert_error_line(res, "not writable", "read-only")
+        assert str(ro) in line, line
+    finally:
+        subprocess.run(["umount", ro], check=False)
+    assert fuse_mounts_under(cli_cleanup) == []
+    assert os.listdir(nvme) == [], "something was written to NVME"
+
+
 @pytest.mark.parametrize("inside", ["nvme", "shared", "cold"])
 def test_a_directory_inside_the_mount_point_is_refused(cli_cleanup: Path, inside: str) -> None:
     """The daemon would reach NVME, SHARED or the cold tier through its own mount, hidden
