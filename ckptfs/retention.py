@@ -8,11 +8,12 @@ output_dir one level down) or `/ckpt/<team>/<run>/global_step100`. The checkpoin
 directory (a run) form a group: counts, order and protection apply within each group, so
 one run's new checkpoints never push out another run's. It is *complete* once it holds a
 commit marker (a file whose name matches a `--marker` glob: DCP's `.metadata`, HF's
-`trainer_state.json`), or once a marker file beside it (DeepSpeed's `latest`) names it. Order is the order in which the
-checkpoints completed: the newest modification time of the directory's commit markers (for a
-marker imported from another node, the one it has there: the manifest's). A checkpoint without
-a marker of its own (incomplete, or completed by a top-level marker) counts from its
-directory's change time. Ties go to the order in which the directories got their names.
+`trainer_state.json`), or once a marker file beside it (DeepSpeed's `latest`) names it.
+Order is the order in which the checkpoints completed: the newest modification time of the
+directory's commit markers (for a marker imported from another node, the one it has there:
+the manifest's). A checkpoint without a marker of its own (incomplete, or completed by a
+marker beside it) counts from its directory's change time. Ties go to the order in which
+the directories got their names.
 
 Why not simply that order: a checkpoint deleted here that another node's manifest still
 lists (that node keeps more) is imported again under a new name entry, the newest here; it
