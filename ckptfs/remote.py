@@ -37,7 +37,7 @@ import trio
 
 from ckptfs import manifest
 from ckptfs.errors import FsError
-from ckptfs.index import ROOT_INO
+from ckptfs.index import ROOT_INO, Inode
 from ckptfs.namespace import Namespace
 from ckptfs.segment import SET_MTIME, RecType, setattr_body
 from ckptfs.shared import SharedStore
@@ -236,8 +236,8 @@ class Refresher:
         for e in m.entries:
             (markers if e.type == "f" and self.is_marker(e.path) else ordered).append(e)
         dirs = set(self._dir_mtime)  # the directories it lists or needs (self.listed)
-        before = {path: mtime for path in self._dir_mtime
-                  if (mtime := self._dir_mtime_here(path)) is not None}
+        before = {path: d[1].mtime_ns for path in self._dir_mtime
+                  if (d := self._dir_here(path)) is not None}
         for e in ordered + markers:
             present.add(e.path)
             cut = e.path.rfind("/")
@@ -263,23 +263,21 @@ class Refresher:
         self.imported += changed
         yield changed
 
-    def _dir_mtime_here(self, path: str) -> int | None:
+    def _dir_here(self, path: str) -> tuple[int, Inode] | None:
+        """(inode number, inode) of the directory at path here, if there is one."""
         where = self._lookup_parent(path)
         ino = self.ns.index.lookup(*where) if where is not None else None
         node = self.ns.index.get_inode(ino) if ino is not None else None
-        return node.mtime_ns if node is not None and node.is_dir else None
+        return (ino, node) if ino is not None and node is not None and node.is_dir else None
 
     def _restore_dir_mtimes(self, before: dict[str, int]) -> None:
         """A directory's mtime is the newer of the manifest's and this node's own, as it
         was before the import added or removed entries in it (each of which moves it to
         now): `ls -t` on a reader orders checkpoint directories as on their writer."""
-        idx = self.ns.index
         for path, remote in self._dir_mtime.items():
-            where = self._lookup_parent(path)
-            ino = idx.lookup(*where) if where is not None else None
-            node = idx.get_inode(ino) if ino is not None else None
-            if node is None or not node.is_dir:
+            if (d := self._dir_here(path)) is None:
                 continue
+            ino, node = d
             want = max(remote, before.get(path, remote))
             if node.mtime_ns != want:
                 self.ns.record(RecType.SETATTR, ino, 0, setattr_body(SET_MTIME, mtime_ns=want))
