@@ -30,6 +30,15 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * mult)
 
 
+def name_glob(text: str) -> str:
+    """A --retain or --marker glob: it matches one file or directory name, never a path."""
+    if not text or "/" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a glob for a name, without '/' (checkpoints are found up to three "
+            f"levels down by their own name)")
+    return text
+
+
 def positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -491,18 +500,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="writers wait this long for space before ENOSPC (default 60)")
     m.add_argument("--refresh-interval", type=positive_float, default=5.0,
                    help="seconds between reads of other nodes' manifests (default 5)")
-    m.add_argument("--retain", action="append", metavar="GLOB",
-                   help="top-level directories that are checkpoints (repeatable; default "
-                        "step_*, checkpoint-*, global_step*)")
-    m.add_argument("--marker", action="append", metavar="GLOB",
+    m.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
+                   help="names of the directories that are checkpoints, up to three levels "
+                        "down, counted per run directory (repeatable; default step_*, "
+                        "checkpoint-*, global_step*)")
+    m.add_argument("--marker", action="append", metavar="GLOB", type=name_glob,
                    help="commit marker file names (repeatable; default .metadata, "
                         "trainer_state.json, latest)")
     m.add_argument("--keep-local", type=int, default=0, metavar="N",
-                   help="keep the newest N checkpoints on NVMe, evict older ones once "
-                        "published (default 0: watermarks only)")
+                   help="keep the newest N checkpoints of each run on NVMe, evict older ones "
+                        "once published (default 0: watermarks only)")
     m.add_argument("--keep-shared", type=int, default=0, metavar="M",
-                   help="keep the newest M complete checkpoints, delete older ones from the "
-                        "namespace and SHARED (default 0: keep all)")
+                   help="keep the newest M complete checkpoints of each run, delete older "
+                        "ones from the namespace and SHARED (default 0: keep all)")
     m.add_argument("--cold", metavar="URL",
                    help="cold tier (directory or s3:// URL): checkpoints older than the "
                         "newest --keep-shared move there instead of being deleted")
@@ -583,10 +593,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--files", action="store_true", help="list every published entry")
     ls.add_argument("--nodes", type=int, default=0, metavar="N",
                     help="a checkpoint is complete only when N nodes published parts of it")
-    ls.add_argument("--retain", action="append", metavar="GLOB",
-                    help="checkpoint directory globs (default step_*, checkpoint-*, "
+    ls.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
+                    help="checkpoint directory name globs (default step_*, checkpoint-*, "
                          "global_step*)")
-    ls.add_argument("--marker", action="append", metavar="GLOB", help="commit marker globs")
+    ls.add_argument("--marker", action="append", metavar="GLOB", type=name_glob,
+                    help="commit marker globs")
     ls.set_defaults(func=cmd_ls)
 
     e = sub.add_parser("export", help="copy published files out as plain files (no mount, "

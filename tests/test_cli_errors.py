@@ -351,6 +351,8 @@ USAGE_ERROR = re.compile(r"^ckptfs(?: [a-z-]+)?: error: ")
         ["mount", "a", "b", "c", "--bogus"],
         ["mount", "a", "b", "c", "--segment-size", "banana"],
         ["mount", "a", "b", "c", "--seal-idle", "soon"],
+        ["mount", "a", "b", "c", "--retain", "run/step_*"],  # a name glob, not a path
+        ["ls", "a", "--marker", ""],
         ["umount"],
         ["umount", "a", "b"],
         ["replay"],
