@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 SEGMENT_DIR = "segments"
 INDEX_DIR = "index"
@@ -131,15 +132,22 @@ def init_shared(shared: str) -> str:
     return root
 
 
+def _mount_field(raw: bytes) -> str:
+    """A field of /proc/mounts or mountinfo: the kernel writes the path's bytes as they are,
+    except space, tab, newline and backslash as octal escapes (\\040 ...); as os.fsdecode
+    gives it, so that it compares equal to a path Python made."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), raw))
+
+
 def mounts() -> list[tuple[str, str, str]]:
     """(source, mountpoint, fstype) from /proc/mounts, octal escapes decoded."""
     out = []
-    with open("/proc/mounts") as f:
+    with open("/proc/mounts", "rb") as f:
         for line in f:
             parts = line.split()
             if len(parts) >= 3:
-                dec = [p.encode().decode("unicode_escape") for p in parts[:3]]
-                out.append((dec[0], dec[1], dec[2]))
+                out.append((_mount_field(parts[0]), _mount_field(parts[1]),
+                            _mount_field(parts[2])))
     return out
 
 
@@ -168,9 +176,9 @@ def mount_device(mountpoint: str) -> str | None:
     """major:minor of the filesystem mounted at `mountpoint` (from mountinfo, no stat)."""
     mp = os.path.abspath(mountpoint)  # not realpath: it would stat the mount itself
     dev = None
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             parts = line.split()
-            if len(parts) > 4 and parts[4].encode().decode("unicode_escape") == mp:
-                dev = parts[2]
+            if len(parts) > 4 and _mount_field(parts[4]) == mp:
+                dev = parts[2].decode()
     return dev

@@ -158,6 +158,13 @@ def cmd_mount(a: argparse.Namespace) -> int:
     from ckptfs.daemon import MountConfig, run_foreground
     from ckptfs.retention import DEFAULT_MARKERS, DEFAULT_RETAIN, RetentionConfig
 
+    for what, d in (("NVME", a.nvme), ("SHARED", a.shared), ("MOUNTPOINT", a.mountpoint),
+                    ("--cold", a.cold or "")):
+        try:  # recorded in ckptfs.json, the lock file, status and the options of the mount
+            d.encode()
+        except UnicodeEncodeError:
+            raise CliError(f"{what} {d.encode(errors='surrogateescape')!r}: not a valid UTF-8 "
+                           f"path, which ckptfs needs to record it; use another name") from None
     nvme, mnt = os.path.abspath(a.nvme), layout.mount_path(a.mountpoint)
     shared = a.shared if a.shared.startswith("s3://") else os.path.abspath(a.shared)
     if not os.path.isdir(nvme):

@@ -133,6 +133,26 @@ def test_a_directory_inside_the_mount_point_is_refused(cli_cleanup: Path, inside
     wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
 
 
+def test_paths_with_spaces_and_non_ascii_names(cli_cleanup: Path) -> None:
+    """/proc/mounts holds a path's bytes as they are (only space, tab, newline and backslash
+    escaped): `mount` read them back mangled, never saw its mount come up, and failed with
+    `did not become usable`. A path that is not valid UTF-8 gets one line."""
+    nvme, shared, mnt = dirs(cli_cleanup, "nv me", "shared ä", "mnt ü\\x")
+    res = run_cli("mount", nvme, shared, mnt, timeout=60)
+    assert res.rc == 0, str(res)
+    assert is_mounted(mnt)
+    (mnt / "f").write_bytes(b"data")
+    assert run_cli("wait", mnt / "f", timeout=60).rc == 0
+    assert run_cli("status", mnt).rc == 0
+    assert run_cli("umount", mnt, timeout=60).rc == 0
+    assert not is_mounted(mnt, None)
+    bad = os.fsencode(cli_cleanup) + b"/mnt\xff"
+    os.mkdir(bad)
+    res = run_cli("mount", nvme, shared, os.fsdecode(bad), timeout=60)
+    assert_error_line(res, "utf-8")
+    assert fuse_mounts_under(cli_cleanup) == []
+
+
 def test_mount_and_umount_through_a_symlink_to_the_mount_point(cli_cleanup: Path) -> None:
     """The kernel mounts on what a symlink names; `mount` used to poll the symlink's own path
     in /proc/mounts, report `did not become usable` and leave the daemon and its mount."""
