@@ -8,7 +8,8 @@ output_dir one level down) or `/ckpt/<team>/<run>/global_step100`. The checkpoin
 directory (a run) form a group: counts, order and protection apply within each group, so
 one run's new checkpoints never push out another run's. It is *complete* once it holds a
 commit marker (a file whose name matches a `--marker` glob: DCP's `.metadata`, HF's
-`trainer_state.json`), or once a marker file beside it (DeepSpeed's `latest`) names it.
+`trainer_state.json`), or once a marker file beside it (DeepSpeed's `latest`) names it, or
+named it at an earlier pass of this mount.
 Order is the order in which the checkpoints completed: the newest modification time of the
 directory's commit markers (for a marker imported from another node, the one it has there:
 the manifest's). A checkpoint without a marker of its own (incomplete, or completed by a
@@ -107,6 +108,9 @@ class Retention:
         self.cold_band: list[str] = []
         self._shape: tuple = ()
         self._walked = 0.0
+        # checkpoints a marker beside them has named while mounted: DeepSpeed's `latest`
+        # names only the newest, and the one it named before stays complete
+        self._named: set[int] = set()
 
     def _matches(self, name: str, globs: tuple[str, ...]) -> bool:
         return any(fnmatch.fnmatchcase(name, g) for g in globs)
@@ -138,10 +142,13 @@ class Retention:
                         pass
             for c in found:
                 done = self._marker_time(c.ino)
-                c.complete = done is not None or c.name in named
+                if c.name in named:
+                    self._named.add(c.ino)
+                c.complete = done is not None or c.ino in self._named
                 if done is not None:
                     c.order = (done, c.order[1])
             out += found
+        self._named &= {c.ino for c in out}
         out.sort(key=lambda c: c.order)
         return out
 

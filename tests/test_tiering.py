@@ -289,7 +289,7 @@ def test_checkpoints_of_each_run_directory_are_kept_and_listed_per_run(make_moun
         write(b / f"global_step{step}" / ".metadata", b"m")
     # not checkpoints: too deep, and a matching name inside a checkpoint
     write(m.mnt / "x" / "y" / "z" / "step_1" / "f", b"deep")
-    write(b / "global_step30" / "step_5" / "g", b"inside")
+    write(b / "global_step30" / "step_5" / "g", b"inside")  # counts with global_step30
     expect_a = ["checkpoint-2", "checkpoint-3", "config.json"]
     wait_for(lambda: sorted(os.listdir(m.mnt / "a")) == expect_a, 20,
              "retention to keep the 2 newest checkpoints of run a")
@@ -300,17 +300,29 @@ def test_checkpoints_of_each_run_directory_are_kept_and_listed_per_run(make_moun
     write(b / "latest", b"global_step40")
     wait_for(lambda: sorted(os.listdir(b)) == ["global_step30", "global_step40", "latest"],
              20, "retention to count global_step40 complete by the `latest` beside it")
+
+    def complete(name: str) -> bool:
+        return any(c["name"] == f"team/b/{name}" and c["complete"]
+                   for c in status(m.mnt)["retention"]["checkpoints"])
+
+    # `latest` moves on: the checkpoints it named before stay complete (else, with only the
+    # newest ever complete, --keep-shared never deleted a DeepSpeed checkpoint)
+    write(b / "global_step50" / "mp_rank_00_model_states.pt", b"b" * 1000)
+    write(b / "latest", b"global_step50")
+    wait_for(lambda: sorted(os.listdir(b)) == ["global_step40", "global_step50", "latest"], 20,
+             "retention to keep global_step40 and 50 (complete: 30, 40, 50)")
+    assert complete("global_step40") and complete("global_step50")
     assert sorted(os.listdir(m.mnt / "a")) == expect_a, "run b's checkpoints pushed out run a's"
     assert (m.mnt / "x" / "y" / "z" / "step_1" / "f").read_bytes() == b"deep"
     names = [c["name"] for c in status(m.mnt)["retention"]["checkpoints"]]
-    assert sorted(names) == ["a/checkpoint-2", "a/checkpoint-3", "team/b/global_step30",
-                             "team/b/global_step40"], names
-    assert (b / "global_step30" / "step_5" / "g").read_bytes() == b"inside"
+    assert sorted(names) == ["a/checkpoint-2", "a/checkpoint-3", "team/b/global_step40",
+                             "team/b/global_step50"], names
     wait(m.mnt)
     res = run_cli("ls", m.shared, "--json")
     assert res.rc == 0, str(res)
     table = {c["name"]: c["complete"] for c in json.loads(res.out)}
-    assert table == {n: True for n in names}, table
+    # ls reads SHARED alone, without the mount's memory: the `latest` names global_step50
+    assert table == {n: n != "team/b/global_step40" for n in names}, table
 
 
 def test_superseded_checkpoint_is_dropped_from_the_drain(make_mount) -> None:
