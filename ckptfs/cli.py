@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
                    help="names of the directories that are checkpoints, up to three levels "
                         "down, counted per run directory (repeatable; default step_*, "
-                        "checkpoint-*, global_step*)")
+                        "checkpoint-*, global_step*, iter_*)")
     m.add_argument("--marker", action="append", metavar="GLOB", type=name_glob,
                    help="commit marker file names (repeatable; default .metadata, "
                         "trainer_state.json, latest)")
@@ -595,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a checkpoint is complete only when N nodes published parts of it")
     ls.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
                     help="checkpoint directory name globs (default step_*, checkpoint-*, "
-                         "global_step*)")
+                         "global_step*, iter_*)")
     ls.add_argument("--marker", action="append", metavar="GLOB", type=name_glob,
                     help="commit marker globs")
     ls.set_defaults(func=cmd_ls)

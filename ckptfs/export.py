@@ -310,7 +310,7 @@ def top_marker_targets(store: SharedStore, view: View,
                        retain: tuple[str, ...] = ()) -> set[str]:
     """Checkpoint paths that marker files beside them (DeepSpeed's `latest`) point at: those
     at the top, and those in the directories above MAX_DEPTH outside any checkpoint."""
-    from ckptfs.retention import MAX_DEPTH, TOP_MARKERS, checkpoint_of
+    from ckptfs.retention import MAX_DEPTH, TOP_MARKERS, checkpoint_of, named_by
 
     out: set[str] = set()
     for path, (_node, e) in view.entries.items():
@@ -322,7 +322,7 @@ def top_marker_targets(store: SharedStore, view: View,
             data = b"".join(d for _o, d in read_file(view.resolver or store, e))
         except (OSError, ExportError):
             continue
-        target = os.path.basename(data.decode(errors="replace").strip().rstrip("/"))
+        target = named_by(data.decode(errors="replace"))
         out.add(f"{parent}/{target}" if parent else target)
     return out
 

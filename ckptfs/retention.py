@@ -2,7 +2,7 @@
 to keep on each tier.
 
 A checkpoint is a directory whose name matches a `--retain` glob (default `step_*`,
-`checkpoint-*`, `global_step*`), at most MAX_DEPTH levels below the mount's root and not
+`checkpoint-*`, `global_step*`, `iter_*`), at most MAX_DEPTH levels below the mount's root and not
 inside another checkpoint: `/ckpt/step_100`, and also `/ckpt/<run>/checkpoint-100` (HF's
 output_dir one level down) or `/ckpt/<team>/<run>/global_step100`. The checkpoints of one
 directory (a run) form a group: counts, order and protection apply within each group, so
@@ -52,13 +52,23 @@ from ckptfs.namespace import Namespace
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RETAIN = ("step_*", "checkpoint-*", "global_step*")
+DEFAULT_RETAIN = ("step_*", "checkpoint-*", "global_step*", "iter_*")
 DEFAULT_MARKERS = (".metadata", "trainer_state.json", "latest")
 TOP_MARKERS = ("latest", "latest_checkpointed_iteration.txt")
 REWALK = 30.0
 IN_PROGRESS = 600.0  # seconds since its directory last changed: an incomplete one is kept
 NO_CUTOFF = (-1, -1)  # below every checkpoint's order
 MAX_DEPTH = 3  # a checkpoint directory is at most this many levels below the mount's root
+
+
+def named_by(text: str) -> str:
+    """The checkpoint a marker file beside it names: its content, reduced to a basename
+    (DeepSpeed's `latest`: `global_step100`), or Megatron-LM's directory for an iteration
+    number (`latest_checkpointed_iteration.txt`: `100` names `iter_0000100`)."""
+    text = text.strip()
+    if text.isdigit():
+        return f"iter_{int(text):07d}"
+    return os.path.basename(text.rstrip("/"))
 
 
 def checkpoint_of(path: str, retain: tuple[str, ...], is_dir: bool) -> str | None:
@@ -136,8 +146,8 @@ class Retention:
                     dirs.append((child, prefix + sname + "/", depth + 1))
                 elif stat.S_ISREG(node.mode) and sname in TOP_MARKERS and node.size < 4096:
                     try:
-                        text = self.ns.read(child, 0, 4096).decode(errors="replace").strip()
-                        named.add(prefix + os.path.basename(text.rstrip("/")))
+                        text = self.ns.read(child, 0, 4096).decode(errors="replace")
+                        named.add(prefix + named_by(text))
                     except (FsError, OSError):
                         pass
             for c in found:

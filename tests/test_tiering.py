@@ -325,6 +325,27 @@ def test_checkpoints_of_each_run_directory_are_kept_and_listed_per_run(make_moun
     assert table == {n: n != "team/b/global_step40" for n in names}, table
 
 
+def test_megatron_checkpoints_complete_by_their_iteration_tracker(make_mount) -> None:
+    """Megatron-LM saves iter_0000100/ (mp_rank_*/model_optim_rng.pt, no marker inside) and
+    then writes the iteration number, `100`, to latest_checkpointed_iteration.txt beside it."""
+    m = make_mount(extra_args=["--node-id", "n0", "--keep-shared", "2"], segment_size="1M")
+    run = m.mnt / "gpt"
+    for it in (100, 200, 300):
+        write(run / f"iter_{it:07d}" / "mp_rank_00" / "model_optim_rng.pt", b"m" * 1000)
+        write(run / "latest_checkpointed_iteration.txt", str(it).encode())
+        wait_for(lambda it=it: any(c["name"] == f"gpt/iter_{it:07d}" and c["complete"]
+                                   for c in status(m.mnt)["retention"]["checkpoints"]), 20,
+                 f"iter_{it:07d} to count complete by the tracker file")
+    wait_for(lambda: sorted(os.listdir(run)) == [
+        "iter_0000200", "iter_0000300", "latest_checkpointed_iteration.txt"], 20,
+        "retention to keep the 2 newest iterations")
+    wait(m.mnt)
+    res = run_cli("ls", m.shared, "--json")
+    assert res.rc == 0, str(res)
+    assert {c["name"]: c["complete"] for c in json.loads(res.out)} == {
+        "gpt/iter_0000200": False, "gpt/iter_0000300": True}, res.out
+
+
 def test_superseded_checkpoint_is_dropped_from_the_drain(make_mount) -> None:
     m = make_mount(extra_args=["--node-id", "n0", "--keep-shared", "1", "--seal-idle", "0.3"],
                    segment_size="1M")
