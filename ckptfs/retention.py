@@ -121,6 +121,7 @@ class Retention:
         # checkpoints a marker beside them has named while mounted: DeepSpeed's `latest`
         # names only the newest, and the one it named before stays complete
         self._named: set[int] = set()
+        self._listings: dict[int, tuple[int, list[tuple[int, str, int]]]] = {}
 
     def _matches(self, name: str, globs: tuple[str, ...]) -> bool:
         return any(fnmatch.fnmatchcase(name, g) for g in globs)
@@ -130,12 +131,13 @@ class Retention:
         idx = self.ns.index
         out: list[Checkpoint] = []
         dirs: list[tuple[int, str, int]] = [(ROOT_INO, "", 1)]
+        seen: set[int] = set()
         while dirs:
             dino, prefix, depth = dirs.pop()
+            seen.add(dino)
             found: list[Checkpoint] = []
             named: set[str] = set()  # what a marker file beside them names
-            for cookie, name, child in idx.readdir(dino, 0):
-                sname = os.fsdecode(name)
+            for cookie, sname, child in self._listing(dino):
                 node = idx.get_inode(child)
                 if node is None:
                     continue
@@ -159,8 +161,30 @@ class Retention:
                     c.order = (done, c.order[1])
             out += found
         self._named &= {c.ino for c in out}
+        for gone in self._listings.keys() - seen:
+            del self._listings[gone]
         out.sort(key=lambda c: c.order)
         return out
+
+    def _listing(self, dino: int) -> list[tuple[int, str, int]]:
+        """(cookie, name, inode) of the subdirectories and marker files in directory `dino`:
+        what a pass looks at. Read again only when the directory's ctime moved (any entry
+        added, removed or renamed, and any setattr, moves it; nothing sets it back): a pass
+        every 2 s must not list a directory of 100,000 shards each time."""
+        idx = self.ns.index
+        node = idx.get_inode(dino)
+        key = node.ctime_ns if node is not None else -1
+        hit = self._listings.get(dino)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        keep = []
+        for cookie, name, child in idx.readdir(dino, 0):
+            sname = os.fsdecode(name)
+            c = idx.get_inode(child)
+            if c is not None and (c.is_dir or (stat.S_ISREG(c.mode) and sname in TOP_MARKERS)):
+                keep.append((cookie, sname, child))
+        self._listings[dino] = (key, keep)
+        return keep
 
     def _in_progress(self, c: Checkpoint, now_ns: int) -> bool:
         if c.complete:
