@@ -180,11 +180,6 @@ def cmd_mount(a: argparse.Namespace) -> int:
             raise CliError(f"SHARED {e}") from None
     check_mountpoint(mnt)
     a.mountpoint = mnt  # what the daemon mounts on, and what /proc/mounts will show
-    for what, d in (("NVME", nvme), ("SHARED", shared), ("--cold", a.cold or "")):
-        if d and not d.startswith("s3://") and _within(d, mnt):
-            # the daemon would reach its own files through its own mount, and wait for itself
-            raise CliError(f"{what} {d} is inside MOUNTPOINT {mnt}: the mount would hide it "
-                           f"from the daemon; put it outside the mount point")
     if not 0 < a.low_watermark <= a.high_watermark <= 1:
         raise CliError("watermarks must satisfy 0 < --low-watermark <= --high-watermark <= 1")
     if a.upload_streams is None:
@@ -245,6 +240,12 @@ def cmd_mount(a: argparse.Namespace) -> int:
             answers(a.cold)
         except SharedError as e:
             raise CliError(f"cold tier {e}") from None
+    # after the probes: resolving a path on a hung NAS would hang
+    for what, d in (("NVME", nvme), ("SHARED", shared), ("--cold", a.cold or "")):
+        if d and not d.startswith("s3://") and _within(d, mnt):
+            # the daemon would reach its own files through its own mount, and wait for itself
+            raise CliError(f"{what} {d} is inside MOUNTPOINT {mnt}: the mount would hide it "
+                           f"from the daemon; put it outside the mount point")
     if a.node_id:
         cfg.node_id = a.node_id
     if a.foreground:

@@ -240,8 +240,13 @@ def test_a_silent_shared_store_is_reported_and_never_holds_a_command_or_the_daem
             assert took < 15, f"the daemon took {took:.1f} s to exit without the store"
             assert "exiting without it" in m.log_path.read_text(), m.log_tail()
 
+            (tmp_path / "nvme2").mkdir()
+            (tmp_path / "shared2").mkdir()
             for args in (("mount", m.nvme, m.shared, m.mnt), ("ls", m.shared),
-                         ("export", m.shared, "step_1", tmp_path / "out")):
+                         ("export", m.shared, "step_1", tmp_path / "out"),
+                         # the silent store as another mount's cold tier
+                         ("mount", tmp_path / "nvme2", tmp_path / "shared2", m.mnt,
+                          "--keep-shared", "1", "--cold", m.shared)):
                 t0 = time.monotonic()
                 res = cli(*args, check=False, env=quick, timeout=60)
                 line = assert_one_line_error(res, f"{args[0]} on a silent store")
