@@ -151,22 +151,26 @@ def mounts() -> list[tuple[str, str, str]]:
     return out
 
 
-def mount_path(path: str, _hops: int = 0) -> str:
+def mount_path(path: str, _hops: int = 0,
+               table: list[tuple[str, str, str]] | None = None) -> str:
     """The canonical path of a mount point without stat-ing it (a stat of a FUSE mount whose
     daemon hangs never returns): resolve the parent, keep the last component unless it is a
     symlink (an lstat of the link, never of a mount)."""
     path = os.path.abspath(path)
     path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    if _hops < 40 and all(m != path for _s, m, _t in mounts()) and os.path.islink(path):
+    table = mounts() if table is None else table
+    if _hops < 40 and all(m != path for _s, m, _t in table) and os.path.islink(path):
         # a symlink to the mount point: follow it the same way (realpath would stat it)
-        return mount_path(os.path.join(os.path.dirname(path), os.readlink(path)), _hops + 1)
+        return mount_path(os.path.join(os.path.dirname(path), os.readlink(path)), _hops + 1,
+                          table)
     return path
 
 
 def mount_type(mountpoint: str) -> str | None:
-    mp = mount_path(mountpoint)
+    table = mounts()
+    mp = mount_path(mountpoint, table=table)
     found = None
-    for _src, m, t in mounts():
+    for _src, m, t in table:
         if m == mp:
             found = t
     return found
