@@ -503,10 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
                    help="names of the directories that are checkpoints, up to three levels "
                         "down, counted per run directory (repeatable; default step_*, "
-                        "checkpoint-*, global_step*, iter_*)")
+                        "step-*, checkpoint-*, global_step*, iter_*)")
     m.add_argument("--marker", action="append", metavar="GLOB", type=name_glob,
                    help="commit marker file names (repeatable; default .metadata, "
-                        "trainer_state.json, latest)")
+                        "trainer_state.json, commit_success.txt, latest)")
     m.add_argument("--keep-local", type=int, default=0, metavar="N",
                    help="keep the newest N checkpoints of each run on NVMe, evict older ones "
                         "once published (default 0: watermarks only)")
@@ -594,8 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--nodes", type=int, default=0, metavar="N",
                     help="a checkpoint is complete only when N nodes published parts of it")
     ls.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
-                    help="checkpoint directory name globs (default step_*, checkpoint-*, "
-                         "global_step*, iter_*)")
+                    help="checkpoint directory name globs (default step_*, step-*, "
+                         "checkpoint-*, global_step*, iter_*)")
     ls.add_argument("--marker", action="append", metavar="GLOB", type=name_glob,
                     help="commit marker globs")
     ls.set_defaults(func=cmd_ls)

@@ -1,15 +1,15 @@
 """Checkpoint awareness: which directories are checkpoints, which are complete, and how many
 to keep on each tier.
 
-A checkpoint is a directory whose name matches a `--retain` glob (default `step_*`,
+A checkpoint is a directory whose name matches a `--retain` glob (default `step_*`, `step-*`,
 `checkpoint-*`, `global_step*`, `iter_*`), at most MAX_DEPTH levels below the mount's root and not
 inside another checkpoint: `/ckpt/step_100`, and also `/ckpt/<run>/checkpoint-100` (HF's
 output_dir one level down) or `/ckpt/<team>/<run>/global_step100`. The checkpoints of one
 directory (a run) form a group: counts, order and protection apply within each group, so
 one run's new checkpoints never push out another run's. It is *complete* once it holds a
 commit marker (a file whose name matches a `--marker` glob: DCP's `.metadata`, HF's
-`trainer_state.json`), or once a marker file beside it (DeepSpeed's `latest`) names it, or
-named it at an earlier pass of this mount.
+`trainer_state.json`, Orbax's `commit_success.txt`), or once a marker file beside it
+(DeepSpeed's `latest`) names it, or named it at an earlier pass of this mount.
 Order is the order in which the checkpoints completed: the newest modification time of the
 directory's commit markers (for a marker imported from another node, the one it has there:
 the manifest's). A checkpoint without a marker of its own (incomplete, or completed by a
@@ -52,8 +52,8 @@ from ckptfs.namespace import Namespace
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RETAIN = ("step_*", "checkpoint-*", "global_step*", "iter_*")
-DEFAULT_MARKERS = (".metadata", "trainer_state.json", "latest")
+DEFAULT_RETAIN = ("step_*", "step-*", "checkpoint-*", "global_step*", "iter_*")
+DEFAULT_MARKERS = (".metadata", "trainer_state.json", "commit_success.txt", "latest")
 TOP_MARKERS = ("latest", "latest_checkpointed_iteration.txt")
 REWALK = 30.0
 IN_PROGRESS = 600.0  # seconds since its directory last changed: an incomplete one is kept

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -343,3 +344,165 @@ def test_lightning_top_k_last_resume_on_second_node(make_mount: MakeMount, tmp_p
     for n in ref_final:
         pl_check_same(d / n, ref / n)
     release_mappings()
+
+
+# -- Orbax (JAX) ----------------------------------------------------------------------------------
+
+def orbax_state(step: int) -> dict[str, Any]:
+    """A train state for `step`: jax arrays of three dtypes, a numpy array and a scalar."""
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    key = jax.random.PRNGKey(step)
+    k1, k2 = jax.random.split(key)
+    return {"params": {"w": jax.random.normal(k1, (256, 512)),
+                       "b": jax.numpy.arange(512, dtype=jax.numpy.bfloat16) * step},
+            "opt": {"mu": jax.random.uniform(k2, (256, 512)),
+                    "count": jax.numpy.int32(step)},
+            "rng": np.arange(64, dtype=np.uint32) + step}
+
+
+def orbax_manager(d: Path, max_to_keep: int = 2, **options: Any) -> Any:
+    """A CheckpointManager as a JAX training loop makes one: async saves, `step_N` names
+    (step_prefix; without it Orbax names steps by number alone, which --retain cannot tell
+    from other directories), the newest `max_to_keep` kept."""
+    pytest.importorskip("jax")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, step_prefix="step",
+                                        enable_async_checkpointing=True, **options)
+    return ocp.CheckpointManager(d, options=opts)
+
+
+def orbax_save(mgr: Any, steps: range) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    for step in steps:
+        assert mgr.save(step, args=ocp.args.StandardSave(orbax_state(step)))
+    mgr.wait_until_finished()
+
+
+def orbax_check(mgr: Any, step: int, where: str) -> None:
+    """Step `step` restores to exactly the state saved for it."""
+    import numpy as np
+    ocp = pytest.importorskip("orbax.checkpoint")
+    jax = pytest.importorskip("jax")
+
+    got = mgr.restore(step, args=ocp.args.StandardRestore(orbax_state(0)))
+    want = orbax_state(step)
+    flat_got = dict(jax.tree_util.tree_flatten_with_path(got)[0])
+    flat_want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+    assert flat_got.keys() == flat_want.keys(), f"{where} step {step}: other leaves"
+    for path, w in flat_want.items():
+        g = np.asarray(flat_got[path])
+        w = np.asarray(w)
+        name = jax.tree_util.keystr(path)
+        assert g.dtype == w.dtype and g.shape == w.shape, f"{where} step {step} {name}"
+        assert np.array_equal(g, w), f"{where} step {step} {name}: values differ"
+
+
+@pytest.fixture
+def jax_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JAX on the CPU, without probing for accelerators."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    pytest.importorskip("jax")
+    pytest.importorskip("orbax.checkpoint")
+
+
+def test_orbax_rotation_second_node_and_export(make_mount: MakeMount, tmp_path: Path,
+                                               jax_cpu: None) -> None:
+    """Orbax's CheckpointManager with async saves on node a: 4 steps, the newest 2 kept, each
+    step written into a temporary directory and renamed into place. The mount leaves the
+    same names as a local directory; after `ckptfs wait`, `ckptfs ls` counts both steps
+    complete (Orbax's commit_success.txt), node b (empty NVME, same SHARED) restores them,
+    goes on to step 6 (its rotation deletes node a's steps), and `ckptfs export` gives a
+    directory Orbax restores from."""
+    ref = tmp_path / "ref"
+    mgr = orbax_manager(ref)
+    orbax_save(mgr, range(1, 5))
+    assert mgr.all_steps() == [3, 4]
+    mgr.close()
+
+    a = start_node(make_mount, "a", "n0")
+    run = a.mnt / "run"
+    mgr = orbax_manager(run)
+    orbax_save(mgr, range(1, 5))
+    assert mgr.all_steps() == [3, 4]
+    assert names(run) == names(ref) == ["step_3", "step_4"]
+    for step in (3, 4):
+        assert names(run / f"step_{step}") == names(ref / f"step_{step}")
+        orbax_check(mgr, step, "node a")
+    mgr.close()
+    wait_published(a.mnt)
+    table = {c["name"]: c for c in json.loads(cli("ls", a.shared, "--json").stdout)}
+    assert sorted(table) == ["run/step_3", "run/step_4"], table
+    assert all(c["complete"] for c in table.values()), table
+
+    b = start_node(make_mount, "b", "n1", shared=a.shared)
+    cli("status", b.mnt, "--refresh")
+    mgr = orbax_manager(b.mnt / "run")
+    assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4
+    for step in (3, 4):
+        orbax_check(mgr, step, "node b")
+    orbax_save(mgr, range(5, 7))
+    assert mgr.all_steps() == [5, 6]
+    mgr.close()
+    wait_published(b.mnt)
+    status(a, refresh=True)
+    assert names(run) == ["step_5", "step_6"], "node a still lists node b's rotated steps"
+
+    out = tmp_path / "exported"
+    cli("export", a.shared, "run", out)
+    mgr = orbax_manager(out)
+    assert mgr.all_steps() == [5, 6]
+    for step in (5, 6):
+        orbax_check(mgr, step, "export")
+    mgr.close()
+
+
+def test_orbax_async_save_cut_by_daemon_sigkill(make_mount: MakeMount, jax_cpu: None) -> None:
+    """Steps 1-3 saved and waited for; step 4's async save is under way in Orbax's background
+    thread when the daemon is SIGKILLed. After the remount on the same NVME, Orbax lists
+    steps 1-3 at least (step 4 only if its rename had returned), every step it lists
+    restores exactly, and training goes on to save step 5."""
+    import threading
+
+    m = make_mount()
+    run = m.mnt / "run"
+    mgr = orbax_manager(run, max_to_keep=5)
+    orbax_save(mgr, range(1, 4))
+    ocp = pytest.importorskip("orbax.checkpoint")
+
+    def kill_once_under_way() -> None:
+        """SIGKILL as soon as step 4's temporary directory exists."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(n.startswith("step_4.") for n in os.listdir(run)):
+                break
+            time.sleep(0.001)
+        m.kill()
+
+    killer = threading.Thread(target=kill_once_under_way)
+    killer.start()
+    try:
+        mgr.save(4, args=ocp.args.StandardSave(orbax_state(4)))
+        mgr.wait_until_finished()
+    except Exception:  # noqa: BLE001  the mount went away under the save: expected
+        pass
+    finally:
+        killer.join()
+        try:
+            mgr.close()
+        except Exception:  # noqa: BLE001
+            pass
+    m.clean_stale()
+    m.start()
+    # Orbax removes its unfinished temporary directories when asked to
+    mgr = orbax_manager(run, max_to_keep=5, cleanup_tmp_directories=True)
+    steps = mgr.all_steps()
+    assert steps[:3] == [1, 2, 3] and set(steps) <= {1, 2, 3, 4}, steps
+    for step in steps:
+        orbax_check(mgr, step, "after SIGKILL")
+    orbax_save(mgr, range(5, 6))
+    assert mgr.latest_step() == 5
+    orbax_check(mgr, 5, "after resume")
+    mgr.close()
+    assert not any(".orbax-checkpoint-tmp" in n for n in names(run)), names(run)

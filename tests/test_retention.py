@@ -10,7 +10,8 @@ from pathlib import Path
 from test_format import close, make
 
 from ckptfs.index import ROOT_INO
-from ckptfs.retention import Retention, RetentionConfig, checkpoint_of, named_by
+from ckptfs.retention import (DEFAULT_MARKERS, DEFAULT_RETAIN, Retention, RetentionConfig,
+                              checkpoint_of, named_by)
 
 DIR = stat.S_IFDIR | 0o755
 FILE = stat.S_IFREG | 0o644
@@ -26,6 +27,21 @@ def test_which_paths_are_checkpoints() -> None:
     assert checkpoint_of("run/step_9", retain, False) is None  # a file, not a directory
     assert named_by(" global_step100/\n") == "global_step100"
     assert named_by("1000\n") == "iter_0001000"
+
+
+def test_default_names_cover_the_frameworks() -> None:
+    """The step directories the common frameworks make are checkpoints by default, and the
+    names around them are not."""
+    for path in ("step_100",            # DCP by hand, Orbax with step_prefix="step"
+                 "step-100",            # torchtitan
+                 "run/checkpoint-100",  # HF Trainer
+                 "run/global_step100",  # DeepSpeed
+                 "run/iter_0000100"):   # Megatron-LM
+        assert checkpoint_of(path, DEFAULT_RETAIN, True) == path, path
+    for path in ("100", "run", "2026-12-05/x", "latest", "run/last.ckpt"):
+        assert checkpoint_of(path, DEFAULT_RETAIN, True) is None, path
+    for marker in (".metadata", "trainer_state.json", "commit_success.txt", "latest"):
+        assert marker in DEFAULT_MARKERS
 
 
 def test_a_pass_lists_a_directory_again_only_after_it_changed(tmp_path: Path) -> None:
