@@ -1,5 +1,6 @@
 """Real training frameworks, unchanged, on a ckptfs mount: the Hugging Face `transformers`
-Trainer and PyTorch Lightning, each training a tiny model defined here (no downloads).
+Trainer and PyTorch Lightning, each training a tiny model defined here (no downloads), and
+Orbax's CheckpointManager saving a JAX train state (in child processes: orbax_client.py).
 
 Each scenario is run twice in this process: once on a plain local directory (the reference)
 and once on ckptfs, then compared exactly: which checkpoints exist after the framework's
@@ -8,8 +9,9 @@ every tensor it saved. Between save and resume the checkpoint crosses to a secon
 own empty NVME, same SHARED), goes out through `ckptfs export`, or survives a SIGKILL of
 the daemon.
 
-Needs `transformers` (with `accelerate`) and `pytorch_lightning`; each test skips when its
-framework is missing.
+Needs `transformers` (with `accelerate`), `pytorch_lightning`, and `jax` with
+`orbax-checkpoint` (the `torch` and `jax` extras); each test skips when its framework is
+missing.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from __future__ import annotations
 import gc
 import json
 import os
-import time
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mounting import MakeMount
+from mounting import MakeMount, wait_for
 from test_shared_support import cli, node_args, start_node, status, wait_published
 
 torch = pytest.importorskip("torch")
@@ -348,89 +351,48 @@ def test_lightning_top_k_last_resume_on_second_node(make_mount: MakeMount, tmp_p
 
 # -- Orbax (JAX) ----------------------------------------------------------------------------------
 
-def orbax_state(step: int) -> dict[str, Any]:
-    """A train state for `step`: jax arrays of three dtypes, a numpy array and a scalar."""
-    jax = pytest.importorskip("jax")
-    import numpy as np
-
-    key = jax.random.PRNGKey(step)
-    k1, k2 = jax.random.split(key)
-    return {"params": {"w": jax.random.normal(k1, (256, 512)),
-                       "b": jax.numpy.arange(512, dtype=jax.numpy.bfloat16) * step},
-            "opt": {"mu": jax.random.uniform(k2, (256, 512)),
-                    "count": jax.numpy.int32(step)},
-            "rng": np.arange(64, dtype=np.uint32) + step}
-
-
-def orbax_manager(d: Path, max_to_keep: int = 2, **options: Any) -> Any:
-    """A CheckpointManager as a JAX training loop makes one: async saves, `step_N` names
-    (step_prefix; without it Orbax names steps by number alone, which --retain cannot tell
-    from other directories), the newest `max_to_keep` kept."""
-    pytest.importorskip("jax")
-    ocp = pytest.importorskip("orbax.checkpoint")
-    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, step_prefix="step",
-                                        enable_async_checkpointing=True, **options)
-    return ocp.CheckpointManager(d, options=opts)
-
-
-def orbax_save(mgr: Any, steps: range) -> None:
-    ocp = pytest.importorskip("orbax.checkpoint")
-    for step in steps:
-        assert mgr.save(step, args=ocp.args.StandardSave(orbax_state(step)))
-    mgr.wait_until_finished()
-
-
-def orbax_check(mgr: Any, step: int, where: str) -> None:
-    """Step `step` restores to exactly the state saved for it."""
-    import numpy as np
-    ocp = pytest.importorskip("orbax.checkpoint")
-    jax = pytest.importorskip("jax")
-
-    got = mgr.restore(step, args=ocp.args.StandardRestore(orbax_state(0)))
-    want = orbax_state(step)
-    flat_got = dict(jax.tree_util.tree_flatten_with_path(got)[0])
-    flat_want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
-    assert flat_got.keys() == flat_want.keys(), f"{where} step {step}: other leaves"
-    for path, w in flat_want.items():
-        g = np.asarray(flat_got[path])
-        w = np.asarray(w)
-        name = jax.tree_util.keystr(path)
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{where} step {step} {name}"
-        assert np.array_equal(g, w), f"{where} step {step} {name}: values differ"
+ORBAX_CLIENT = Path(__file__).with_name("orbax_client.py")
 
 
 @pytest.fixture
-def jax_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """JAX on the CPU, without probing for accelerators."""
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+def orbax() -> None:
     pytest.importorskip("jax")
     pytest.importorskip("orbax.checkpoint")
 
 
+def orbax_run(cmd: str, d: Path, *args: object, keep: int = 2,
+              check: bool = True) -> subprocess.CompletedProcess[str]:
+    """tests/orbax_client.py in a child process (JAX's threads stay out of pytest's)."""
+    res = subprocess.run([sys.executable, str(ORBAX_CLIENT), cmd, str(d), *map(str, args),
+                          "--keep", str(keep)], capture_output=True, text=True, timeout=300,
+                         stdin=subprocess.DEVNULL)
+    if check:
+        assert res.returncode == 0, f"orbax {cmd} {d}: {res.stderr[-3000:]}"
+    return res
+
+
+def orbax_steps(res: subprocess.CompletedProcess[str], key: str = "steps") -> list[int]:
+    """Orbax's steps after the run (or `key`="before": before it)."""
+    return json.loads(res.stdout.strip().splitlines()[-1])[key]
+
+
 def test_orbax_rotation_second_node_and_export(make_mount: MakeMount, tmp_path: Path,
-                                               jax_cpu: None) -> None:
+                                               orbax: None) -> None:
     """Orbax's CheckpointManager with async saves on node a: 4 steps, the newest 2 kept, each
     step written into a temporary directory and renamed into place. The mount leaves the
-    same names as a local directory; after `ckptfs wait`, `ckptfs ls` counts both steps
-    complete (Orbax's commit_success.txt), node b (empty NVME, same SHARED) restores them,
-    goes on to step 6 (its rotation deletes node a's steps), and `ckptfs export` gives a
-    directory Orbax restores from."""
+    same names as a local directory, and every step restores exactly; after `ckptfs wait`,
+    `ckptfs ls` counts both steps complete (Orbax's commit_success.txt), node b (empty NVME,
+    same SHARED) restores them and goes on to step 6 (its rotation deletes node a's steps),
+    node a then sees node b's, and `ckptfs export` gives a directory Orbax restores from."""
     ref = tmp_path / "ref"
-    mgr = orbax_manager(ref)
-    orbax_save(mgr, range(1, 5))
-    assert mgr.all_steps() == [3, 4]
-    mgr.close()
+    assert orbax_steps(orbax_run("save", ref, 1, 4)) == [3, 4]
 
     a = start_node(make_mount, "a", "n0")
     run = a.mnt / "run"
-    mgr = orbax_manager(run)
-    orbax_save(mgr, range(1, 5))
-    assert mgr.all_steps() == [3, 4]
+    assert orbax_steps(orbax_run("save", run, 1, 4)) == [3, 4]  # and restored them
     assert names(run) == names(ref) == ["step_3", "step_4"]
-    for step in (3, 4):
-        assert names(run / f"step_{step}") == names(ref / f"step_{step}")
-        orbax_check(mgr, step, "node a")
-    mgr.close()
+    for step in ("step_3", "step_4"):
+        assert names(run / step) == names(ref / step)
     wait_published(a.mnt)
     table = {c["name"]: c for c in json.loads(cli("ls", a.shared, "--json").stdout)}
     assert sorted(table) == ["run/step_3", "run/step_4"], table
@@ -438,71 +400,41 @@ def test_orbax_rotation_second_node_and_export(make_mount: MakeMount, tmp_path: 
 
     b = start_node(make_mount, "b", "n1", shared=a.shared)
     cli("status", b.mnt, "--refresh")
-    mgr = orbax_manager(b.mnt / "run")
-    assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4
-    for step in (3, 4):
-        orbax_check(mgr, step, "node b")
-    orbax_save(mgr, range(5, 7))
-    assert mgr.all_steps() == [5, 6]
-    mgr.close()
+    res = orbax_run("save", b.mnt / "run", 5, 6)  # restores 3 and 4 first
+    assert orbax_steps(res, "before") == [3, 4] and orbax_steps(res) == [5, 6]
     wait_published(b.mnt)
     status(a, refresh=True)
     assert names(run) == ["step_5", "step_6"], "node a still lists node b's rotated steps"
 
     out = tmp_path / "exported"
     cli("export", a.shared, "run", out)
-    mgr = orbax_manager(out)
-    assert mgr.all_steps() == [5, 6]
-    for step in (5, 6):
-        orbax_check(mgr, step, "export")
-    mgr.close()
+    assert orbax_steps(orbax_run("check", out)) == [5, 6]
 
 
-def test_orbax_async_save_cut_by_daemon_sigkill(make_mount: MakeMount, jax_cpu: None) -> None:
-    """Steps 1-3 saved and waited for; step 4's async save is under way in Orbax's background
-    thread when the daemon is SIGKILLed. After the remount on the same NVME, Orbax lists
-    steps 1-3 at least (step 4 only if its rename had returned), every step it lists
-    restores exactly, and training goes on to save step 5."""
-    import threading
-
+def test_orbax_async_save_cut_by_daemon_sigkill(make_mount: MakeMount, orbax: None) -> None:
+    """Steps 1-3 saved and waited for; step 4's async save is under way (its temporary
+    directory exists) when the daemon is SIGKILLed. After the remount on the same NVME,
+    Orbax lists steps 1-3 (and 4 only if its rename had returned), every step it lists
+    restores exactly, its cleanup removes the cut save's temporary directory, and training
+    goes on to save step 5."""
     m = make_mount()
     run = m.mnt / "run"
-    mgr = orbax_manager(run, max_to_keep=5)
-    orbax_save(mgr, range(1, 4))
-    ocp = pytest.importorskip("orbax.checkpoint")
-
-    def kill_once_under_way() -> None:
-        """SIGKILL as soon as step 4's temporary directory exists."""
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if any(n.startswith("step_4.") for n in os.listdir(run)):
-                break
-            time.sleep(0.001)
-        m.kill()
-
-    killer = threading.Thread(target=kill_once_under_way)
-    killer.start()
+    assert orbax_steps(orbax_run("save", run, 1, 3, keep=5)) == [1, 2, 3]
+    cut = subprocess.Popen([sys.executable, str(ORBAX_CLIENT), "save", str(run), "4", "4",
+                            "--keep", "5"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     try:
-        mgr.save(4, args=ocp.args.StandardSave(orbax_state(4)))
-        mgr.wait_until_finished()
-    except Exception:  # noqa: BLE001  the mount went away under the save: expected
-        pass
+        wait_for(lambda: any(n.startswith("step_4.") for n in os.listdir(run))
+                 or cut.poll() is not None, 120, "step 4's save to begin")
+        m.kill()
+        cut.wait(timeout=120)  # it fails or finishes: the mount is gone under it
     finally:
-        killer.join()
-        try:
-            mgr.close()
-        except Exception:  # noqa: BLE001
-            pass
+        if cut.poll() is None:
+            cut.kill()
+            cut.wait()
     m.clean_stale()
     m.start()
-    # Orbax removes its unfinished temporary directories when asked to
-    mgr = orbax_manager(run, max_to_keep=5, cleanup_tmp_directories=True)
-    steps = mgr.all_steps()
-    assert steps[:3] == [1, 2, 3] and set(steps) <= {1, 2, 3, 4}, steps
-    for step in steps:
-        orbax_check(mgr, step, "after SIGKILL")
-    orbax_save(mgr, range(5, 6))
-    assert mgr.latest_step() == 5
-    orbax_check(mgr, 5, "after resume")
-    mgr.close()
-    assert not any(".orbax-checkpoint-tmp" in n for n in names(run)), names(run)
+    res = orbax_run("save", run, 5, 5, keep=5)  # restores what is listed first
+    assert orbax_steps(res, "before") in ([1, 2, 3], [1, 2, 3, 4]), res.stdout
+    assert orbax_steps(res)[-1] == 5
+    assert not any(n.startswith("step_4.") for n in names(run)), names(run)
