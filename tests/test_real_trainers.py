@@ -1,6 +1,7 @@
 """Real training frameworks, unchanged, on a ckptfs mount: the Hugging Face `transformers`
-Trainer and PyTorch Lightning, each training a tiny model defined here (no downloads), and
-Orbax's CheckpointManager saving a JAX train state (in child processes: orbax_client.py).
+Trainer, PyTorch Lightning and DeepSpeed (its ranks in child processes: script mode, at the
+end), each training a tiny model defined here (no downloads), and Orbax's CheckpointManager
+saving a JAX train state (in child processes: orbax_client.py).
 
 Each scenario is run twice in this process: once on a plain local directory (the reference)
 and once on ckptfs, then compared exactly: which checkpoints exist after the framework's
@@ -9,7 +10,7 @@ every tensor it saved. Between save and resume the checkpoint crosses to a secon
 own empty NVME, same SHARED), goes out through `ckptfs export`, or survives a SIGKILL of
 the daemon.
 
-Needs `transformers` (with `accelerate`), `pytorch_lightning`, and `jax` with
+Needs `transformers` (with `accelerate`), `pytorch_lightning`, `deepspeed`, and `jax` with
 `orbax-checkpoint` (the `torch` and `jax` extras); each test skips when its framework is
 missing.
 """
@@ -438,3 +439,196 @@ def test_orbax_async_save_cut_by_daemon_sigkill(make_mount: MakeMount, orbax: No
     assert orbax_steps(res, "before") in ([1, 2, 3], [1, 2, 3, 4]), res.stdout
     assert orbax_steps(res)[-1] == 5
     assert not any(n.startswith("step_4.") for n in names(run)), names(run)
+
+
+# -- DeepSpeed ------------------------------------------------------------------------------------
+
+DS_WORLD = 2
+DS_SAVE_EVERY = 2
+
+
+def ds_rank_main(rank: int, world: int, rendezvous: str, save_dir: str, steps: int,
+                 resume: bool) -> int:
+    """One rank of a DeepSpeed job (script mode, at the end of this file): a ZeRO-2 engine on
+    the CPU over gloo trains a small MLP up to step `steps`, `save_checkpoint(save_dir)` every
+    DS_SAVE_EVERY steps. With `resume` it first `load_checkpoint(save_dir)`s (the tag
+    `latest` names), from weights initialised with another seed, so every weight and
+    optimizer value it goes on with must come from the checkpoint. Each step's batch depends
+    on (rank, step) alone: a resumed run saves exactly the tensors of an uninterrupted one.
+    Prints one JSON line: {"loaded": tag or null, "start": first step, "saved": [steps]}."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed
+
+    # The CPU accelerator JIT-compiles a shared-memory all-reduce kernel when the comm backend
+    # starts (35 s of gcc at first use, then cached); only inference's all-reduce uses it,
+    # training over gloo does not.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    torch.manual_seed(1 if resume else 0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}, "steps_per_print": 1000}
+    # a rendezvous file, not a TCP port another test could hold
+    deepspeed.init_distributed(dist_backend="gloo", init_method=f"file://{rendezvous}",
+                               rank=rank, world_size=world, auto_mpi_discovery=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    loaded = None
+    if resume:
+        path, client = engine.load_checkpoint(save_dir)
+        if path is None or client is None or client["step"] != engine.global_steps:
+            print(f"rank {rank}: load_checkpoint({save_dir}) gave {path}, {client}")
+            return 1
+        loaded = Path(path).parent.name
+    start, saved = engine.global_steps, []
+    while engine.global_steps < steps:
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(
+            1000 * rank + engine.global_steps))
+        loss = torch.nn.functional.mse_loss(engine(x), x.sum(1, keepdim=True))
+        engine.backward(loss)
+        engine.step()
+        if engine.global_steps % DS_SAVE_EVERY == 0:
+            engine.save_checkpoint(save_dir, client_state={"step": engine.global_steps})
+            saved.append(engine.global_steps)
+    print(json.dumps({"loaded": loaded, "start": start, "saved": saved}))
+    return 0
+
+
+def ds_run(save_dir: Path, steps: int, logs: Path, resume: bool = False) -> dict[str, Any]:
+    """DS_WORLD ranks of `ds_rank_main` as child processes (DeepSpeed's process group and
+    threads stay out of pytest's); a rank that fails takes the others down. Returns rank 0's
+    JSON line, the same on every rank."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    procs: list[subprocess.Popen[bytes]] = []
+    run = len(list(logs.glob("*-rank0.log")))
+    rendezvous = logs / f"{run}-rendezvous"
+    outs = [logs / f"{run}-rank{r}.log" for r in range(DS_WORLD)]
+    try:
+        for r in range(DS_WORLD):
+            with open(outs[r], "wb") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, __file__, "deepspeed", str(r), str(DS_WORLD), str(rendezvous),
+                     str(save_dir), str(steps), "1" if resume else "0"],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    cwd=logs))
+        wait_for(lambda: all(p.poll() is not None for p in procs)
+                 or any(p.poll() for p in procs), 240, f"DeepSpeed ranks on {save_dir}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    texts = [o.read_text(errors="replace") for o in outs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{texts[r][-3000:]}"
+    results = [json.loads(t.strip().splitlines()[-1]) for t in texts]
+    assert all(res == results[0] for res in results), results
+    return results[0]
+
+
+@pytest.fixture
+def deepspeed_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed installed, its accelerator the CPU (for loading its checkpoint files here)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+
+
+def ds_load(ckpt: Path) -> dict[str, Any]:
+    """Every tensor of every file of a global_stepN directory, keyed by file and path, plus
+    the step counters. The ZeRO optimizer files pickle DeepSpeed objects: not weights_only."""
+    out: dict[str, Any] = {}
+    for f in sorted(ckpt.iterdir()):
+        ck = torch.load(f, weights_only=False, map_location="cpu")
+        if "global_steps" in ck:
+            out[f"{f.name}.steps"] = (ck["global_steps"], ck["step"])
+        out.update(flat_tensors(ck, f.name))
+    return out
+
+
+def ds_check_same(got: Path, want: Path, step: int) -> None:
+    """A global_stepN directory holds the same files and tensors as the reference's."""
+    assert names(got) == names(want), f"{got}: {names(got)} != reference {names(want)}"
+    assert names(got) == ["mp_rank_00_model_states.pt"] + [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(DS_WORLD)], names(got)
+    g, w = ds_load(got), ds_load(want)
+    steps = "mp_rank_00_model_states.pt.steps"
+    assert g.pop(steps) == w.pop(steps) == (step, step), f"{got}: steps"
+    assert_same(g, w, str(got))
+
+
+def ds_fp32(d: Path) -> dict[str, Any]:
+    """DeepSpeed's own consolidation of the ZeRO shards that `latest` names into fp32
+    weights (what zero_to_fp32.py does)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(d)))
+
+
+def test_deepspeed_zero2_resume_on_second_node_and_export(make_mount: MakeMount,
+                                                          tmp_path: Path,
+                                                          deepspeed_cpu: None) -> None:
+    """DeepSpeed itself, 2 ranks over gloo, ZeRO stage 2, `save_checkpoint` every 2 steps into
+    /ckpt/run: the reference trains to step 6 in one go on a local directory. Node a trains
+    to step 4; its global_step2 and global_step4 (model states and each rank's optimizer
+    partition, DeepSpeed's `latest`, its zero_to_fp32.py) equal the reference's, tensor for
+    tensor. After `ckptfs wait`, `ckptfs ls` counts global_step4 complete (named by `latest`;
+    ls has no memory of the global_step2 an earlier `latest` named). Node b (empty NVME, same
+    SHARED) `load_checkpoint`s global_step4 into a model initialised with another seed and
+    trains on to step 6: its global_step6 equals the uninterrupted run's. Node a sees it,
+    and `ckptfs export` gives a directory DeepSpeed's zero_to_fp32 consolidates."""
+    logs = tmp_path / "ds-logs"
+    ref = tmp_path / "ref" / "run"
+    assert ds_run(ref, 6, logs) == {"loaded": None, "start": 0, "saved": [2, 4, 6]}
+    top = ["global_step2", "global_step4", "global_step6", "latest", "zero_to_fp32.py",
+           "zero_to_torch.py"]
+    assert names(ref) == top, names(ref)
+
+    a = start_node(make_mount, "a", "n0")
+    run = a.mnt / "run"
+    assert ds_run(run, 4, logs) == {"loaded": None, "start": 0, "saved": [2, 4]}
+    assert names(run) == [n for n in top if n != "global_step6"], names(run)
+    assert (run / "latest").read_text() == "global_step4"
+    assert (run / "zero_to_fp32.py").read_bytes() == (ref / "zero_to_fp32.py").read_bytes()
+    for step in (2, 4):
+        ds_check_same(run / f"global_step{step}", ref / f"global_step{step}", step)
+    wait_published(a.mnt)
+    table = {c["name"]: c["complete"] for c in json.loads(cli("ls", a.shared, "--json").stdout)}
+    assert table == {"run/global_step2": False, "run/global_step4": True}, table
+
+    b = start_node(make_mount, "b", "n1", shared=a.shared)
+    cli("status", b.mnt, "--refresh")
+    run_b = b.mnt / "run"
+    assert names(run_b) == names(run)
+    assert ds_run(run_b, 6, logs, resume=True) == \
+        {"loaded": "global_step4", "start": 4, "saved": [6]}
+    assert names(run_b) == top, names(run_b)
+    assert (run_b / "latest").read_text() == "global_step6"
+    for step in (2, 4, 6):
+        ds_check_same(run_b / f"global_step{step}", ref / f"global_step{step}", step)
+
+    wait_published(b.mnt)
+    status(a, refresh=True)
+    assert names(run) == top, names(run)
+    assert (run / "latest").read_text() == "global_step6"
+    ds_check_same(run / "global_step6", ref / "global_step6", 6)
+    table = {c["name"]: c["complete"] for c in json.loads(cli("ls", a.shared, "--json").stdout)}
+    assert table == {"run/global_step2": False, "run/global_step4": False,
+                     "run/global_step6": True}, table
+
+    out = tmp_path / "exported"
+    cli("export", a.shared, "run", out)
+    assert names(out) == top, names(out)
+    ds_check_same(out / "global_step6", ref / "global_step6", 6)
+    assert_same(ds_fp32(out), ds_fp32(ref), "zero_to_fp32 of the export")
+    release_mappings()
+
+
+# -- script mode: one DeepSpeed rank ------------------------------------------------------------
+
+if __name__ == "__main__":
+    if len(sys.argv) == 8 and sys.argv[1] == "deepspeed":
+        sys.exit(ds_rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
+                              int(sys.argv[6]), sys.argv[7] == "1"))
+    sys.exit(f"usage: {sys.argv[0]} deepspeed RANK WORLD RENDEZVOUS SAVE_DIR STEPS RESUME(0|1)")
