@@ -76,3 +76,17 @@ def test_import_scale_bench_runs_and_reports_its_table(tmp_path: Path) -> None:
     assert "MiB" in rows[0][2] and "MiB" in rows[0][4], res.stdout
     assert "slowest" in res.stdout and "over 100 ms" in res.stdout, res.stdout
     assert list(tmp_path.iterdir()) == [], "the work directory was not removed"
+
+
+def test_clients_bench_runs_and_reports_each_client(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    res = subprocess.run([sys.executable, "-m", "bench.clients", "--gib", "0.0625", "--rounds",
+                          "1", "--clients", "dcp,torch", "--workdir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in res.stdout.splitlines()
+            if line.startswith(("dcp ", "torch "))}
+    assert set(rows) == {("dcp", "saved"), ("torch", "saved")}, res.stdout
+    for ckptfs_s, plain_s, ratio in rows.values():
+        assert float(ckptfs_s) > 0 and float(plain_s) > 0 and float(ratio) > 0, res.stdout
+    assert list(tmp_path.iterdir()) == [], "the work directory was not removed"
