@@ -300,8 +300,11 @@ def cmd_ls(a: argparse.Namespace) -> int:
         print(f"ckptfs: warning: ignoring {err}", file=sys.stderr)
     if not a.path and not a.files:
         retain = tuple(a.retain or DEFAULT_RETAIN)
-        cps = checkpoints(view, retain, tuple(a.marker or DEFAULT_MARKERS), a.nodes,
-                          top_marker_targets(store, view, retain))
+        named = top_marker_targets(store, view, retain)
+        cps = checkpoints(view, retain, tuple(a.marker or DEFAULT_MARKERS), a.nodes, named)
+        # a run whose `latest` names its newest checkpoint: the older ones have no marker of
+        # their own, and ls cannot know whether `latest` named them before (docs/cli.md)
+        named_in = {os.path.dirname(n): os.path.basename(n) for n in named}
         if a.json:
             print(json.dumps([c.__dict__ for c in cps], indent=1))
             return 0
@@ -313,8 +316,9 @@ def cmd_ls(a: argparse.Namespace) -> int:
             t.add_column(col, justify="right" if col in ("files", "size") else "left")
         for c in cps:
             state = "complete" if c.complete else (
-                "incomplete (no marker)" if not c.marker else
-                f"incomplete ({len(c.nodes)}/{a.nodes} nodes)")
+                f"incomplete ({len(c.nodes)}/{a.nodes} nodes)" if c.marker else
+                f"no marker (the tracker names {named_in[os.path.dirname(c.name)]})"
+                if os.path.dirname(c.name) in named_in else "incomplete (no marker)")
             t.add_row(c.name, str(c.files), _human(c.bytes), ",".join(c.nodes),
                       "+".join(sorted(c.tiers)) or "-", state)
         Console().print(t)

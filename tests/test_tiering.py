@@ -325,7 +325,8 @@ def test_checkpoints_of_each_run_directory_are_kept_and_listed_per_run(make_moun
     assert table == {n: n != "team/b/global_step40" for n in names}, table
 
 
-def test_megatron_checkpoints_complete_by_their_iteration_tracker(make_mount) -> None:
+def test_megatron_checkpoints_complete_by_their_iteration_tracker(make_mount,
+                                                                   monkeypatch) -> None:
     """Megatron-LM saves iter_0000100/ (mp_rank_*/model_optim_rng.pt, no marker inside) and
     then writes the iteration number, `100`, to latest_checkpointed_iteration.txt beside it."""
     m = make_mount(extra_args=["--node-id", "n0", "--keep-shared", "2"], segment_size="1M")
@@ -344,6 +345,13 @@ def test_megatron_checkpoints_complete_by_their_iteration_tracker(make_mount) ->
     assert res.rc == 0, str(res)
     assert {c["name"]: c["complete"] for c in json.loads(res.out)} == {
         "gpt/iter_0000200": False, "gpt/iter_0000300": True}, res.out
+    # the table says why the older one has no marker, instead of calling it incomplete
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps at 80 columns without a terminal
+    res = run_cli("ls", m.shared)
+    assert res.rc == 0, str(res)
+    rows = {line.split()[1]: line for line in res.out.splitlines() if "gpt/iter_" in line}
+    assert "complete" in rows["gpt/iter_0000300"], res.out
+    assert "no marker (the tracker names iter_0000300)" in rows["gpt/iter_0000200"], res.out
 
 
 def test_superseded_checkpoint_is_dropped_from_the_drain(make_mount) -> None:
