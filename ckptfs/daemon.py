@@ -41,6 +41,8 @@ DEFRAG_INTERVAL = 1.0  # seconds between looks for files that small writes fragm
 # once unmounted, the daemon waits this long (s) for a shared store that has stopped
 # answering before it exits without it, as a SIGKILL would leave things
 EXIT_GRACE = float(os.environ.get("CKPTFS_EXIT_GRACE", "5"))
+# seconds between periodic GC passes (tests shorten it; `ckptfs gc` runs one at once)
+GC_INTERVAL = float(os.environ.get("CKPTFS_GC_INTERVAL", "15"))
 
 
 @dataclass
@@ -339,7 +341,7 @@ class Daemon:
         self.cache.protected = lambda: self.retention.protected
         self.gc = Collector(cfg.nvme, cfg.node_id, self.index, self.drain, self.store,
                             self.seglog.path, self.reader.forget, self.commit_index,
-                            grace=cfg.gc_grace)
+                            grace=cfg.gc_grace, interval=GC_INTERVAL)
         self.gc.cold = self.cold
         self.drain.cold_url = cfg.cold
         self.drain.cold = self.cold

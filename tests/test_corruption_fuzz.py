@@ -92,7 +92,7 @@ DIRECT_MIN = 128 * KiB
 MOUNT_ARGS = ("--high-watermark", "0.999", "--low-watermark", "0.998")
 
 SCENARIOS = ["local-only", "shared-intact"]
-DEFAULT_ITERS = 4  # per scenario in the default run
+DEFAULT_ITERS = 2  # per scenario in the default run (the long run: -m slow)
 LONG_ITERS = int(os.environ.get("CKPTFS_FUZZ_ITERS", "200"))
 LONG_START = int(os.environ.get("CKPTFS_FUZZ_START", "0"))
 

@@ -728,7 +728,9 @@ def test_a_full_replay_from_an_old_snapshot_finds_segments_published_or_collecte
     from that snapshot: the segment's state must follow what exists (published, evicted, or
     gone), or the drain retries a segment that is nowhere forever (`wait` never returns,
     `umount` hangs) or uploads a published one a second time."""
-    m = start_node(make_mount, "a", "n0", extra=["--gc-grace", "0"], segment_size="1M")
+    m = make_mount("a", node_args("n0", "--gc-grace", "0"), segment_size="1M", start=False)
+    m.env = {**os.environ, "CKPTFS_GC_INTERVAL": "2"}  # a periodic pass every 2 s, not 15
+    m.start()
     time.sleep(2)  # the first segment (the root's owner) seals idle: dead once published
     write_tree(m.mnt, {"f1": b"x" * 1000})
     wait_published(m.mnt / "f1")

@@ -600,12 +600,15 @@ def power_cycle(loop_fs: list[LoopExt4], fs: LoopExt4, tmp_path: Path, name: str
     return after
 
 
-@pytest.mark.parametrize(("shared_too", "tiered"), [(False, False), (True, False), (True, True)],
+# rounds: the tiered variant needs 4 for a checkpoint to reach the cold tier; the long run is
+# test_power_loss_long (-m slow)
+@pytest.mark.parametrize(("shared_too", "tiered", "rounds"),
+                         [(False, False, 2), (True, False, 2), (True, True, 4)],
                          ids=["node", "node-and-store", "node-and-store-tiered"])
-def test_power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount,
-                           tmp_path: Path, shared_too: bool, tiered: bool) -> None:
-    power_loss_rounds(loop_fs, make_mount, tmp_path, seed=4242, rounds=4, shared_too=shared_too,
-                      tiered=tiered)
+def test_power_loss_rounds(loop_fs: list[LoopExt4], make_mount: MakeMount, tmp_path: Path,
+                           shared_too: bool, tiered: bool, rounds: int) -> None:
+    power_loss_rounds(loop_fs, make_mount, tmp_path, seed=4242, rounds=rounds,
+                      shared_too=shared_too, tiered=tiered)
 
 
 @pytest.mark.slow

@@ -262,7 +262,7 @@ def apply_and_get(*ops: dict[str, Any]) -> dict[str, bytes]:
 @pytest.mark.timeout(240)
 def test_sigkill_acknowledged_ops_survive(make_mount: MakeMount, tmp_path: Path) -> None:
     m = make_mount(segment_size="1M", extra_args=["--seal-idle", "0.2"])
-    run_rounds(m, tmp_path, seed=20240, rounds=30, writers=3)
+    run_rounds(m, tmp_path, seed=20240, rounds=20, writers=3)
 
 
 @pytest.mark.slow
