@@ -17,7 +17,9 @@ missing.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -357,18 +359,18 @@ ORBAX_CLIENT = Path(__file__).with_name("orbax_client.py")
 
 @pytest.fixture
 def orbax() -> None:
-    pytest.importorskip("jax")
-    pytest.importorskip("orbax.checkpoint")
+    """Skip unless JAX and Orbax are installed: found, not imported (they run in children)."""
+    for module in ("jax", "orbax.checkpoint"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
 
 
-def orbax_run(cmd: str, d: Path, *args: object, keep: int = 2,
-              check: bool = True) -> subprocess.CompletedProcess[str]:
+def orbax_run(cmd: str, d: Path, *args: object, keep: int = 2) -> subprocess.CompletedProcess[str]:
     """tests/orbax_client.py in a child process (JAX's threads stay out of pytest's)."""
     res = subprocess.run([sys.executable, str(ORBAX_CLIENT), cmd, str(d), *map(str, args),
                           "--keep", str(keep)], capture_output=True, text=True, timeout=300,
                          stdin=subprocess.DEVNULL)
-    if check:
-        assert res.returncode == 0, f"orbax {cmd} {d}: {res.stderr[-3000:]}"
+    assert res.returncode == 0, f"orbax {cmd} {d}: {res.stderr[-3000:]}"
     return res
 
 
@@ -428,7 +430,10 @@ def test_orbax_async_save_cut_by_daemon_sigkill(make_mount: MakeMount, orbax: No
         wait_for(lambda: any(n.startswith("step_4.") for n in os.listdir(run))
                  or cut.poll() is not None, 120, "step 4's save to begin")
         m.kill()
-        cut.wait(timeout=120)  # it fails or finishes: the mount is gone under it
+        # it fails or finishes with the mount gone under it; how Orbax handles that (it may
+        # also never return) is not what this test is about: only what the remount finds
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            cut.wait(timeout=30)
     finally:
         if cut.poll() is None:
             cut.kill()
