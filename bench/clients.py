@@ -31,17 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.ckptfs_target import CkptfsMount
+from bench.mounts import drop_caches
 
 CHUNK = 32 << 20  # bytes per array / tensor
-
-
-def _drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass  # not root: the rounds still alternate
 
 
 def orbax_client(gib: float) -> Callable[[Path, int], dict[str, float]] | None:
@@ -161,7 +153,7 @@ def _run(a: argparse.Namespace, wanted: list[str], work: Path) -> int:
             order = list(targets) if rnd % 2 == 0 else list(targets)[::-1]
             for name, save in clients.items():
                 for target in order:
-                    _drop_caches()
+                    drop_caches()  # not root: the rounds still alternate
                     for k, v in save(targets[target], rnd + 1).items():
                         times.setdefault((name, k, target), []).append(v)
         for save in clients.values():
