@@ -231,7 +231,10 @@ def test_a_silent_shared_store_is_reported_and_never_holds_a_command_or_the_daem
             assert "timed out" in line and "has not answered" in line, line
             assert "still waiting, the shared store has not answered" in res.stderr, res.stderr
             st = status(m)
-            assert st["shared_stalled_s"] >= 4 and st["shared_stalled_on"] == "upload", st
+            # the oldest call waiting on the store: step_2's upload, or a refresh's listing
+            # of the other nodes' manifests that went out first on a loaded machine
+            assert st["shared_stalled_s"] >= 4, st
+            assert st["shared_stalled_on"] in ("upload", "listing"), st
             assert "no answer for" in cli("status", m.mnt).stdout
 
             t0 = time.monotonic()

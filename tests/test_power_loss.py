@@ -46,10 +46,16 @@ def _have(tool: str) -> bool:
     return shutil.which(tool) is not None
 
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not (_have("mkfs.ext4") and _have("mount") and _have("umount")),
-    reason="needs root, mkfs.ext4 and loop devices",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not (_have("mkfs.ext4") and _have("mount") and _have("umount")),
+        reason="needs root, mkfs.ext4 and loop devices",
+    ),
+    # Alone, never beside other tests (scripts/test.sh runs these after the parallel run): a
+    # sync() or the kernel's writeback under another test's load flushes the loop filesystem
+    # too, and what a power loss must take would be on the "device" already.
+    pytest.mark.serial,
+]
 
 
 class LoopExt4:
