@@ -43,8 +43,9 @@ What the promise is taken to allow (the assumptions; `classify` and `check_file`
   cut off (or, for the newest segment, its footer), the data records from the first damaged
   record on (without a table a damaged length field decides where the scan resumes); and all
   records of the newest segment when its header is damaged (a header of zeros there is taken
-  for one that never reached the disk before a power loss: an empty tail, removed). An older segment whose
-  header is damaged is still read record by record, through its table when it has one.
+  for one that never reached the disk before a power loss: an empty tail, removed). An older
+  segment whose header is damaged is still read record by record, through its table when it
+  has one.
 - A file never grows, except when a segment has neither a table nor an intact header for one
   of its damaged data records: replay then trusts that header's ino and offset (the frame
   looking intact), so EIO may appear anywhere and a size may be larger.

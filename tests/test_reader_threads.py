@@ -67,7 +67,8 @@ def test_readers_of_a_record_whose_fetch_failed_each_get_it_and_none_hangs(
 
     def read(name: str) -> None:
         try:
-            got[name] = bytes(reader._remote_record(e, report=False) or b"")[fmt.RECORD_HEADER_SIZE:]
+            rec = reader._remote_record(e, report=False) or b""
+            got[name] = bytes(rec)[fmt.RECORD_HEADER_SIZE:]
         except BaseException as ex:  # noqa: BLE001 - compared below
             got[name] = ex
 

@@ -218,7 +218,8 @@ def test_hostile_manifests_are_rejected_and_export_stays_in_dest(make_mount: Mak
     dest = exports / "good"
     got = export_files(a.shared, "good", dest)
     assert got == {k.split("/", 1)[1]: v for k, v in GOOD.items()}
-    for prefix, why in (("flip", "checksum"), ("pos", ""), ("ghost", ""), ("sym", "nothing published"),
+    for prefix, why in (("flip", "checksum"), ("pos", ""), ("ghost", ""),
+                        ("sym", "nothing published"),
                         ("..", "nothing published"), ("../escape.bin", "nothing published"),
                         (str(outside), "nothing published"), ("trunc", "nothing published"),
                         ("impostor.bin", "nothing published")):
