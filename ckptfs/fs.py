@@ -57,6 +57,17 @@ def fuse_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def unqueued(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """For a handler that appends a record the log does not queue (SegmentLog.unqueue): first
+    wait for the data writes queued before it, serving other requests meanwhile."""
+    @functools.wraps(fn)
+    async def wrapper(self: Operations, *args: Any, **kwargs: Any) -> Any:
+        await self.ns.log.unqueue()
+        return await fn(self, *args, **kwargs)
+
+    return wrapper
+
+
 def entry(node: Inode) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = node.ino
@@ -130,6 +141,7 @@ class Operations(pyfuse3.Operations):
         return entry(self.ns.inode(inode))
 
     @fuse_errors
+    @unqueued
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any,
                       ctx: Any) -> pyfuse3.EntryAttributes:
         node = self.ns.setattr(
@@ -150,34 +162,41 @@ class Operations(pyfuse3.Operations):
     # --- namespace ------------------------------------------------------------------------
 
     @fuse_errors
+    @unqueued
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: Any) -> pyfuse3.EntryAttributes:
         return entry(self.ns.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @fuse_errors
+    @unqueued
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: Any) -> pyfuse3.EntryAttributes:
         return entry(self.ns.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @fuse_errors
+    @unqueued
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: Any) -> pyfuse3.EntryAttributes:
         return entry(self.ns.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @fuse_errors
+    @unqueued
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         self.ns.unlink(parent_inode, name, want_dir=False)
 
     @fuse_errors
+    @unqueued
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         self.ns.unlink(parent_inode, name, want_dir=True)
 
     @fuse_errors
+    @unqueued
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: Any) -> None:
         self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     @fuse_errors
+    @unqueued
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: Any) -> pyfuse3.EntryAttributes:
         return entry(self.ns.link(inode, new_parent_inode, new_name))
@@ -218,6 +237,7 @@ class Operations(pyfuse3.Operations):
         return fi
 
     @fuse_errors
+    @unqueued
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
@@ -227,6 +247,8 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         if self.read_only and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
             raise FsError(errno.EROFS, "read-only mount")
+        if flags & os.O_TRUNC:
+            await self.ns.log.unqueue()  # a SETATTR record (see unqueued)
         self.ns.open(inode, flags)
         return self._fileinfo(inode, flags, ctx.uid)
 
@@ -256,6 +278,7 @@ class Operations(pyfuse3.Operations):
                 pyfuse3.invalidate_inode(ino, True)
             except OSError:
                 pass  # the kernel does not know the inode (anymore): nothing cached
+        await self.ns.log.room()
         n = self.ns.write(ino, off, buf)
         job = self.ns.log.submitted
         while job is not None:
@@ -363,6 +386,7 @@ class Operations(pyfuse3.Operations):
         return value
 
     @fuse_errors
+    @unqueued
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         if name in CONTROL_XATTRS:
             raise FsError(errno.EPERM)
@@ -376,6 +400,7 @@ class Operations(pyfuse3.Operations):
         return [n for n in self.ns.index.list_xattrs(inode) if not n.startswith(ACL_PREFIX)]
 
     @fuse_errors
+    @unqueued
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         self.ns.inode(inode)
         self.ns.removexattr(inode, name)
