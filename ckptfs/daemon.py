@@ -753,6 +753,7 @@ class Daemon:
             "cold": self.coldtier.status() if self.coldtier is not None else None,
             "corrupt_reads": self.reader.corrupt_reads,
             "read_ahead": dict(self.reader.ahead),
+            "read_misses": self.reader.nowait_misses,
             "replay": self.replay_report.as_dict(),
         }
 

@@ -113,6 +113,8 @@ class Operations(pyfuse3.Operations):
         self.control = control
         self.on_fsync = on_fsync
         self.remote_limiter = trio.CapacityLimiter(8)
+        # local reads that missed the page cache: enough to keep the disk's queue busy
+        self.local_limiter = trio.CapacityLimiter(8)
         self.direct_writes = True
         # inodes written around the page cache since their last cached open, and how many
         # such writers each has open now
@@ -255,13 +257,14 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
         exts, fsize, local = self.ns.read_plan(fh & FH_INO, off, size)
-        if local:  # page-cache speed: a thread hop would cost more than it saves
-            return self.ns.reader.read(exts, off, size, fsize, scratch=True)
+        # from the page cache or the remote cache: inline, a thread hop would cost more than
+        # it saves; anything else waits on a worker thread while other requests go on
         data = self.ns.reader.read_cached(exts, off, size, fsize)
         if data is not None:
             return data
         return await trio.to_thread.run_sync(self.ns.reader.read, exts, off, size, fsize,
-                                             limiter=self.remote_limiter)
+                                             limiter=self.local_limiter if local
+                                             else self.remote_limiter)
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -51,6 +51,7 @@ DEFRAG_TRACKED = 8192  # files whose small writes are counted at once (memory bo
 # records sit between other files' in the segments, which the kernel's readahead of a segment
 # cannot know, so without this every record is a synchronous disk read on the trio thread.
 READ_AHEAD = int(os.environ.get("CKPTFS_READ_AHEAD", str(8 << 20)))
+READ_AHEAD_FIRST = 1 << 20  # the local window a newly sequential file starts with, doubling
 # ... and its records on the shared store this far ahead (into the reader's bounded cache)
 REMOTE_READ_AHEAD = int(os.environ.get("CKPTFS_REMOTE_READ_AHEAD", str(2 << 20)))
 READ_AHEAD_TRACKED = 4096  # files whose read position is remembered at once
@@ -95,8 +96,9 @@ class Namespace:
         # per inode since its last defrag: [small writes, lowest offset one of them wrote]
         self.small_writes: dict[int, list[int]] = {}
         self.defrag_due: set[int] = set()
-        # ino -> (where its last read ended, local and remote records asked for up to)
-        self.read_ahead: dict[int, tuple[int, int, int]] = {}
+        # ino -> (where its last read ended, local and remote records asked for up to,
+        # the local window)
+        self.read_ahead: dict[int, tuple[int, int, int, int]] = {}
         self.defrag_records = 0
         self.defrag_extents = 0
     # --- plumbing -------------------------------------------------------------------------
@@ -604,23 +606,29 @@ class Namespace:
     def _read_ahead(self, ino: int, off: int, end: int, size: int) -> None:
         """Ask for the records of the next bytes of a file read sequentially (from its start,
         or on from where the last read ended, give or take the reordering of the kernel's
-        own readahead requests): READ_AHEAD bytes of local records, REMOTE_READ_AHEAD of
-        records on the shared store, each half a window at a time."""
-        last, asked, asked_remote = self.read_ahead.get(ino, (0, 0, 0))
+        own readahead requests, a few requests' worth): up to READ_AHEAD bytes of local
+        records (a window that starts at READ_AHEAD_FIRST and doubles, so a read that only
+        happens to land near the last one costs little disk), REMOTE_READ_AHEAD of records on
+        the shared store, each half a window at a time. Random reads ask for nothing."""
+        last, asked, asked_remote, win = self.read_ahead.get(ino, (0, 0, 0, READ_AHEAD_FIRST))
         if off == 0:  # a new pass over the file: where its records are may have changed
             asked = asked_remote = 0
-        elif abs(off - last) > READ_AHEAD // 4:
-            self.read_ahead[ino] = (end, end, end)  # a jump: wait and see whether it goes on
+        elif abs(off - last) > min(READ_AHEAD // 4, max(4 * (end - off), 64 << 10)):
+            # a jump: wait and see whether it goes on
+            self.read_ahead[ino] = (end, end, end, READ_AHEAD_FIRST)
             return
-        local = (max(asked, end), min(end + READ_AHEAD, size))
+        win = min(win, READ_AHEAD)
+        local = (max(asked, end), min(end + win, size))
         remote = (max(asked_remote, end), min(end + REMOTE_READ_AHEAD, size))
-        if end + READ_AHEAD // 2 <= asked or local[0] >= local[1]:
+        if end + win // 2 <= asked or local[0] >= local[1]:
             local = (0, 0)
+        else:
+            win = min(2 * win, READ_AHEAD)
         if end + REMOTE_READ_AHEAD // 2 <= asked_remote or remote[0] >= remote[1]:
             remote = (0, 0)
         if len(self.read_ahead) >= READ_AHEAD_TRACKED and ino not in self.read_ahead:
             self.read_ahead.clear()
-        self.read_ahead[ino] = (end, max(asked, local[1]), max(asked_remote, remote[1]))
+        self.read_ahead[ino] = (end, max(asked, local[1]), max(asked_remote, remote[1]), win)
         if local[1] or remote[1]:
             lo = min(r[0] for r in (local, remote) if r[1])
             hi = max(local[1], remote[1])

@@ -48,7 +48,14 @@ PREFETCH_THREADS = 4  # shared-store fetches ahead of sequential reads, at once 
 
 
 class _NotCached(Exception):
-    """read_cached: a remote record it needs is not in memory."""
+    """read_cached: a record it needs is neither in memory (remote) nor in the page cache
+    (local): answering would wait for a device or the network."""
+
+
+# Reading local records without waiting: preadv2(RWF_NOWAIT) fails or comes back short when
+# the pages are not in the page cache. Linux 4.14+ on ext4, XFS, btrfs; a filesystem without
+# it (EOPNOTSUPP) gets the blocking read on the trio thread, as before.
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 class RemoteSource(Protocol):
@@ -87,6 +94,8 @@ class Reader:
         self._partial_bytes = 0
         self._inflight: dict[tuple[int, int, int], threading.Event] = {}  # (seg, start, end)
         self._scratch = bytearray(HDR + (1 << 20) + 8)
+        self._nowait = _RWF_NOWAIT  # 0 once the local filesystem turned it down
+        self.nowait_misses = 0  # cached-only reads that found pages missing (went to a thread)
         self.max_verified = max_verified
         self.corrupt_reads = 0
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -125,22 +134,46 @@ class Reader:
 
         return self._fds.borrow(seg, opener)
 
-    def _local_range(self, seg: int, length: int, offset: int,
-                     scratch: bool = False) -> bytes | memoryview | None:
+    def _local_range(self, seg: int, length: int, offset: int, scratch: bool = False,
+                     cached_only: bool = False) -> bytes | memoryview | None:
         """`length` bytes at `offset` of seg's local file, into the trio thread's scratch
         buffer if `scratch` (no allocation and no page faults per request; valid until the
         next such read, enough for a read answered inline: pyfuse3 replies before another
-        request runs); None if the segment is not on local disk."""
+        request runs); None if the segment is not on local disk. `cached_only`: from the
+        page cache only, else _NotCached (the caller retries on a thread)."""
         with self._local(seg) as fd:
             if fd is None:
+                if cached_only:
+                    raise _NotCached  # the shared store, then: not on the trio thread
                 return None
-            if scratch:
-                view = self._scratch_view(length)
-                return view[:os.preadv(fd, [view], offset)]
+            if scratch or cached_only:
+                view = self._scratch_view(length) if scratch else memoryview(bytearray(length))
+                return view[:self._preadv(fd, view, offset, cached_only)]
             return os.pread(fd, length, offset)
 
-    def _pread(self, seg: int, length: int, offset: int) -> bytes:
-        data = self._local_range(seg, length, offset)
+    def _preadv(self, fd: int, view: memoryview, offset: int, cached_only: bool) -> int:
+        """preadv into `view`; with `cached_only`, all of it from the page cache or
+        _NotCached (a short read is a miss too: the rest is not cached)."""
+        if not (cached_only and self._nowait):
+            return os.preadv(fd, [view], offset)
+        try:
+            n = os.preadv(fd, [view], offset, self._nowait)
+        except BlockingIOError:
+            n = -1
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            log.info("the local filesystem cannot read without waiting (%s): local reads "
+                     "block the request thread", e)
+            self._nowait = 0
+            return os.preadv(fd, [view], offset)
+        if n < len(view):
+            self.nowait_misses += 1  # the trio thread's alone: no lock
+            raise _NotCached
+        return n
+
+    def _pread(self, seg: int, length: int, offset: int, cached_only: bool = False) -> bytes:
+        data = self._local_range(seg, length, offset, cached_only=cached_only)
         if data is not None:
             return data
         if self.remote is None:
@@ -166,9 +199,10 @@ class Reader:
             raise FsError(errno.EIO, str(e)) from None
         return data
 
-    def _pread_scratch(self, seg: int, length: int, offset: int) -> bytes | memoryview:
+    def _pread_scratch(self, seg: int, length: int, offset: int,
+                       cached_only: bool = False) -> bytes | memoryview:
         """Like _pread, but a local read lands in the scratch buffer (_local_range)."""
-        data = self._local_range(seg, length, offset, scratch=True)
+        data = self._local_range(seg, length, offset, True, cached_only)
         return data if data is not None else self._pread(seg, length, offset)
 
     def _scratch_view(self, n: int) -> memoryview:
@@ -183,15 +217,16 @@ class Reader:
         (readahead), those of extents in the range `remote` that are on the shared store
         into the remote cache, fetched on the prefetch threads (an error there is left to
         the read itself)."""
+        spans: list[list[int]] = []  # [seg, start, end]: adjacent records asked for at once
         for e in extents:
             if self.is_local(e):
                 if e.end <= local[0] or e.start >= local[1]:
                     continue
-                with self._local(e.seg) as fd:
-                    if fd is not None and hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fd, e.rec_pos, HDR + e.rec_len,
-                                         os.POSIX_FADV_WILLNEED)
-                        self.ahead["local"] += 1
+                a, b = e.rec_pos, e.rec_pos + fmt.record_size(e.rec_len)
+                if spans and spans[-1][0] == e.seg and spans[-1][1] <= a <= spans[-1][2]:
+                    spans[-1][2] = max(spans[-1][2], b)
+                else:
+                    spans.append([e.seg, a, b])
             elif self.remote is not None and remote[0] < e.end and e.start < remote[1]:
                 with self._lock:
                     if (e.seg, e.rec_pos) in self._remote_cache or any(
@@ -201,6 +236,13 @@ class Reader:
                         self._prefetcher = ThreadPoolExecutor(PREFETCH_THREADS,
                                                               "ckptfs-prefetch")
                 self._prefetcher.submit(self._prefetch_remote, e)
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for seg, a, b in spans:
+            with self._local(seg) as fd:
+                if fd is not None:
+                    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
+                    self.ahead["local"] += 1
 
     def _prefetch_remote(self, e: Extent) -> None:
         try:
@@ -229,7 +271,7 @@ class Reader:
                     self._verified.move_to_end(key)
             pread = self._pread_scratch if scratch else self._pread
             if known:  # verified before: read just the range, from this local file only
-                data = self._local_range(e.seg, n, e.rec_pos + start, scratch)
+                data = self._local_range(e.seg, n, e.rec_pos + start, scratch, cached_only)
                 if data is not None and len(data) == n:
                     return data
                 if data is None and not self.is_local(e):
@@ -242,7 +284,7 @@ class Reader:
             rec = self._remote_record(e, cached_only)
             assert rec is not None  # report=True raises instead
             return rec[start:start + n]
-        whole = pread(e.seg, HDR + e.rec_len, e.rec_pos)
+        whole = pread(e.seg, HDR + e.rec_len, e.rec_pos, cached_only)
         if not fmt.verify_data_record(whole, e.rec_len):
             self._corrupt(e)
         self._remember(e, whole)
@@ -383,7 +425,7 @@ class Reader:
         if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == end:
             s, t, e = pieces[0]
             return self.read_extent(e, s - e.start, t - s, cached_only, scratch)
-        self._fetch_runs([e for _s, _t, e in pieces if self.is_local(e)])
+        self._fetch_runs([e for _s, _t, e in pieces if self.is_local(e)], cached_only)
         if scratch:
             return self._assemble(pieces, off, end, cached_only)
         at = off
@@ -401,9 +443,11 @@ class Reader:
 
     def read_cached(self, extents: list[Extent], off: int, size: int,
                     file_size: int) -> bytes | bytearray | memoryview | None:
-        """`read` if every remote record it needs is in memory already, else None: lets the
-        trio thread skip a hop to a worker for what a window fetched for a neighbour brought
-        in. Like read(scratch=True), the result may be a view of the reused scratch buffer."""
+        """`read` if it needs no device and no network, else None: every remote record it
+        needs is in memory already (a window fetched for a neighbour brought it in) and every
+        local byte in the page cache. The trio thread answers such a read inline and hands
+        the others to a worker thread, so a disk read never holds up other requests. Like
+        read(scratch=True), the result may be a view of the reused scratch buffer."""
         try:
             return self.read(extents, off, size, file_size, cached_only=True, scratch=True)
         except _NotCached:
@@ -426,7 +470,8 @@ class Reader:
                 if known:
                     pos = e.rec_pos + HDR + e.skip + (s - e.start)
                     with self._local(e.seg) as fd:
-                        done = fd is not None and os.preadv(fd, [dst], pos) == t - s
+                        done = (fd is not None
+                                and self._preadv(fd, dst, pos, cached_only) == t - s)
             if not done:
                 dst[:] = self.read_extent(e, s - e.start, t - s, cached_only)
             at = t
@@ -434,7 +479,7 @@ class Reader:
             out[at - off:] = bytes(end - at)
         return out
 
-    def _fetch_runs(self, extents: list[Extent]) -> None:
+    def _fetch_runs(self, extents: list[Extent], cached_only: bool = False) -> None:
         """Local records that are adjacent in one segment (a file written sequentially in small
         writes) and not verified yet are read with one read instead of one per record,
         verified one by one and marked, so read_extent serves them by range."""
@@ -459,7 +504,7 @@ class Reader:
                 continue  # read_extent does single records
             first, last = run[0], run[-1]
             blob = memoryview(self._pread(first.seg, last.rec_pos + HDR + last.rec_len
-                                          - first.rec_pos, first.rec_pos))
+                                          - first.rec_pos, first.rec_pos, cached_only))
             for e in run:
                 rel = e.rec_pos - first.rec_pos
                 whole = blob[rel:rel + HDR + e.rec_len]

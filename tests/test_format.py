@@ -538,6 +538,46 @@ def test_remote_reads_fetch_windows_verify_each_record_and_never_return_bad_byte
     assert len(obj.reads) == before + 1
 
 
+def test_read_cached_serves_local_records_from_the_page_cache_only(tmp_path: Path) -> None:
+    """The trio thread answers a read inline only if it needs no device: local bytes must be
+    in the page cache (preadv2 RWF_NOWAIT), else read_cached says None and the read goes to a
+    worker thread, so a cold disk read never stalls every other request."""
+    from ckptfs.index import Extent
+
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no preadv2(RWF_NOWAIT) on this platform")
+    seg = bytearray(fmt.SEGMENT_HEADER_SIZE)
+    exts = []
+    size = 256 << 10
+    payloads = [random.Random(k).randbytes(size) for k in range(4)]
+    for k, payload in enumerate(payloads):  # one file written in 4 adjacent records
+        exts.append(Extent(k * size, 7, len(seg), 0, size, size))
+        for part in fmt.encode_record(RecType.WRITE, 9, k * size, 0, len(seg), payload):
+            seg += part
+    path = tmp_path / "7.seg"
+    path.write_bytes(bytes(seg))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(4096)], len(seg) - 4096, os.RWF_NOWAIT)
+            pytest.skip(f"{tmp_path} keeps its pages (or cannot read without waiting)")
+        except BlockingIOError:
+            pass
+    finally:
+        os.close(fd)
+    r = Reader(lambda s: str(path))
+    whole = b"".join(payloads)
+    for off, n in ((0, 4 * size), (size + 100, 5000), (3 * size, size)):
+        assert r.read_cached(exts, off, n, 4 * size) is None, (off, n)
+    assert r.nowait_misses == 3 and r.corrupt_reads == 0
+    assert bytes(r.read(exts, 0, 4 * size, 4 * size)) == whole  # blocking: reads the disk
+    for off, n in ((0, 4 * size), (size + 100, 5000), (3 * size, size)):
+        assert bytes(r.read_cached(exts, off, n, 4 * size)) == whole[off:off + n], (off, n)
+    assert r.nowait_misses == 3
+
+
 def test_an_extent_never_reads_a_valid_record_other_than_its_own(tmp_path: Path) -> None:
     """An index that got ahead of its log (a device that lost flushed writes, a segment file
     swapped under it) can name a position where another valid record sits now. A checksum

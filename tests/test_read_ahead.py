@@ -65,9 +65,13 @@ def test_sequential_reads_ask_ahead_locally_from_shared_and_on_a_fresh_node(
     write_files(a.mnt, files)
 
     drop_caches()
+    misses = status(a)["read_misses"]
     assert_sequential_reads(a.mnt, files, "local records")
     ahead = status(a)["read_ahead"]
     assert ahead["local"] >= 3 * 3, ahead  # each file's records past the first few reads
+    # records written around the page cache, then the page cache dropped: at least each
+    # file's first read waited for the disk, on a worker thread, not on the request thread
+    assert status(a)["read_misses"] >= misses + 3, status(a)["read_misses"]
 
     wait_published(a.mnt / "step_1")
     assert control(a, {"op": "evict", "all": True})["evicted"] >= 1
@@ -159,3 +163,37 @@ def test_a_restore_from_shared_reads_each_record_once(make_mount: MakeMount) -> 
     # 64 records of ~6 KiB: a handful of 1 MiB windows, not 64 fetches of their own
     assert fetched <= 3 * (1 << 20), fetched
     assert status(a)["corrupt_reads"] == 0
+
+
+def test_random_reads_ask_for_nothing_ahead(make_mount: MakeMount) -> None:
+    """Reads at scattered offsets (a database, an mmap'd checkpoint's page faults) are not a
+    sequential pass: no read-ahead, which would read the disk for bytes nobody asked for.
+    Consecutive offsets here are at least 1 MiB apart, which earlier code took for the
+    reordering of the kernel's readahead requests and answered with 8 MiB of read-ahead
+    (of 4 KiB records: 2,048 fadvise calls, tens of ms of the request thread each time).
+    Then a sequential pass over the same file does ask ahead."""
+    a = start_node(make_mount, "a", "n0")
+    data = blob("random", 16 * MiB)
+    path = a.mnt / "f.bin"
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for off in range(0, len(data), 4096):  # 4 KiB records, as a small-block writer leaves
+            os.pwrite(fd, data[off:off + 4096], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    drop_caches()
+    before = status(a)["read_ahead"]["local"]
+    order = [3, 1, 7, 5, 9, 11, 2, 13, 15, 4, 10, 6, 14, 8, 12]  # steps of 1-12 MiB
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel readahead either
+        for k in order:
+            off = k * MiB + 8192
+            assert os.pread(fd, 4096, off) == data[off:off + 4096], k
+    finally:
+        os.close(fd)
+    assert status(a)["read_ahead"]["local"] == before, status(a)["read_ahead"]
+
+    assert_sequential_reads(a.mnt, {"f.bin": data}, "a sequential pass")
+    assert status(a)["read_ahead"]["local"] > before, status(a)["read_ahead"]
