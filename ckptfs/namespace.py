@@ -614,8 +614,16 @@ class Namespace:
         if off == 0:  # a new pass over the file: where its records are may have changed
             asked = asked_remote = 0
         elif abs(off - last) > min(READ_AHEAD // 4, max(4 * (end - off), 64 << 10)):
-            # a jump: wait and see whether it goes on
-            self.read_ahead[ino] = (end, end, end, READ_AHEAD_FIRST)
+            # A jump: wait and see whether it goes on. One that lands in what was asked for
+            # already keeps that asked for: the kernel's readahead requests for a file that
+            # is also being written (the page cache answering some reads, stale pages read
+            # again) hop back and forth by a few pages, and asking for the same window again
+            # after each hop cost 500 extents per read.
+            def kept(upto: int) -> int:
+                return upto if off <= upto <= off + 2 * READ_AHEAD else end
+
+            self.read_ahead[ino] = (end, kept(asked), kept(asked_remote),
+                                    win if kept(asked) != end else READ_AHEAD_FIRST)
             return
         win = min(win, READ_AHEAD)
         local = (max(asked, end), min(end + win, size))
