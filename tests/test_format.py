@@ -578,6 +578,38 @@ def test_read_cached_serves_local_records_from_the_page_cache_only(tmp_path: Pat
     assert r.nowait_misses == 3
 
 
+def test_read_cached_without_rwf_nowait_reads_inline() -> None:
+    """A local filesystem without preadv2(RWF_NOWAIT) (tmpfs answers EOPNOTSUPP) gets the
+    blocking read inline, the behaviour before RWF_NOWAIT was used: exact bytes, no miss."""
+    import tempfile
+
+    from ckptfs.index import Extent
+
+    if not hasattr(os, "RWF_NOWAIT") or not os.path.isdir("/dev/shm"):
+        pytest.skip("no preadv2(RWF_NOWAIT) or no /dev/shm here")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        path = Path(d) / "7.seg"
+        payload = random.Random(7).randbytes(100_000)
+        seg = bytearray(fmt.SEGMENT_HEADER_SIZE)
+        ext = Extent(0, 7, len(seg), 0, len(payload), len(payload))
+        for part in fmt.encode_record(RecType.WRITE, 9, 0, 0, len(seg), payload):
+            seg += part
+        path.write_bytes(bytes(seg))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+            pytest.skip("/dev/shm reads without waiting here")
+        except OSError as e:
+            if e.errno != errno.EOPNOTSUPP:
+                raise
+        finally:
+            os.close(fd)
+        r = Reader(lambda s: str(path))
+        for _ in range(2):  # the first turns RWF_NOWAIT off, the second reads without it
+            assert bytes(r.read_cached([ext], 10, 50_000, len(payload))) == payload[10:50_010]
+        assert r.nowait_misses == 0 and r.corrupt_reads == 0
+
+
 def test_an_extent_never_reads_a_valid_record_other_than_its_own(tmp_path: Path) -> None:
     """An index that got ahead of its log (a device that lost flushed writes, a segment file
     swapped under it) can name a position where another valid record sits now. A checksum
