@@ -619,11 +619,11 @@ class Namespace:
             # is also being written (the page cache answering some reads, stale pages read
             # again) hop back and forth by a few pages, and asking for the same window again
             # after each hop cost 500 extents per read.
-            def kept(upto: int) -> int:
-                return upto if off <= upto <= off + 2 * READ_AHEAD else end
-
-            self.read_ahead[ino] = (end, kept(asked), kept(asked_remote),
-                                    win if kept(asked) != end else READ_AHEAD_FIRST)
+            keep = off <= asked <= off + 2 * READ_AHEAD
+            keep_remote = off <= asked_remote <= off + 2 * READ_AHEAD
+            self.read_ahead[ino] = (end, asked if keep else end,
+                                    asked_remote if keep_remote else end,
+                                    win if keep else READ_AHEAD_FIRST)
             return
         win = min(win, READ_AHEAD)
         local = (max(asked, end), min(end + win, size))

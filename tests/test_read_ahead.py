@@ -69,9 +69,10 @@ def test_sequential_reads_ask_ahead_locally_from_shared_and_on_a_fresh_node(
     assert_sequential_reads(a.mnt, files, "local records")
     ahead = status(a)["read_ahead"]
     assert ahead["local"] >= 3 * 3, ahead  # each file's records past the first few reads
-    # records written around the page cache, then the page cache dropped: at least each
-    # file's first read waited for the disk, on a worker thread, not on the request thread
-    assert status(a)["read_misses"] >= misses + 3, status(a)["read_misses"]
+    # records written around the page cache, then the page cache dropped: the first read
+    # waited for the disk on a worker thread, not on the request thread (later ones may find
+    # their pages read already, by read-ahead or by the kernel's readahead of the segment)
+    assert status(a)["read_misses"] >= misses + 1, status(a)["read_misses"]
 
     wait_published(a.mnt / "step_1")
     assert control(a, {"op": "evict", "all": True})["evicted"] >= 1
