@@ -8,6 +8,11 @@
    baseline: the same number of readers read the log segment files straight;
 2. shared restore: after `ckptfs evict --all` each rank reads its file through the mount (every
    byte fetched from SHARED and verified); baseline: the same readers read SHARED's objects.
+3. random 4 KiB reads: each rank writes a second file in 4 KiB writes (through the mount, and
+   into a plain directory on the same disk), then reads --random-reads random 4 KiB blocks of
+   it with POSIX_FADV_RANDOM, page cache dropped; IOPS through the mount vs the plain file
+   (a database-like or mmap-like reader; before 2026-12-06 a cold random read blocked every
+   other request of the daemon, bench/README.md).
 With --nas, SHARED is the NAS emulator at zero latency over a local directory, as in
 `python -m bench`, so the shared case pays the same two FUSE hops there. Prints GB/s of each,
 the ratio, and the daemon's CPU seconds per GB read (the part this benchmark exists for: the
@@ -20,6 +25,7 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -39,6 +45,29 @@ def _writer(path: str, rank: int, mib: int) -> None:
         os.write(fd, chunk)
     os.fsync(fd)
     os.close(fd)
+
+
+def _small_writer(path: str, rank: int, mib: int) -> None:
+    chunk = bytearray(random.Random(rank).randbytes(4096))
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    for k in range(mib * 256):
+        chunk[:8] = (rank << 32 | k).to_bytes(8, "little")
+        os.write(fd, chunk)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _random_reader(paths: list[str], reads: int) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel readahead
+        blocks = os.fstat(fd).st_size // 4096
+        rnd = random.Random(os.path.basename(p))  # the same offsets through ckptfs and plain
+        for _ in range(reads):
+            k = rnd.randrange(blocks)
+            if len(os.pread(fd, 4096, k * 4096)) != 4096:
+                raise RuntimeError(f"short read of {p} at block {k}")
+        os.close(fd)
 
 
 def _reader(paths: list[str]) -> None:
@@ -90,13 +119,18 @@ def main() -> int:
                     help="profile the daemon with py-spy (installed separately) during the "
                          "restores through ckptfs: PREFIX-local.txt, PREFIX-shared.txt "
                          "(collapsed stacks, --idle off, --gil off)")
+    ap.add_argument("--random-mib", type=int, default=32,
+                    help="MiB per rank's file of 4 KiB records for the random reads")
+    ap.add_argument("--random-reads", type=int, default=2000,
+                    help="random 4 KiB reads per rank")
     ap.add_argument("--nas", action="store_true",
-                    help="SHARED is the NAS emulator (latencies at zero, its bandwidth cap kept) "
-                         "over a local directory, as in `python -m bench`, not the directory itself")
+                    help="SHARED is the NAS emulator (latencies at zero, its bandwidth cap "
+                         "kept) over a local directory, as in `python -m bench`, not the "
+                         "directory itself")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckptfs-readpath-"))
-    nvme, shared, mnt = (work / n for n in ("nvme", "shared", "mnt"))
-    for p in (nvme, shared, mnt):
+    nvme, shared, mnt, plain = (work / n for n in ("nvme", "shared", "mnt", "plain"))
+    for p in (nvme, shared, mnt, plain):
         p.mkdir()
     try:
         with contextlib.ExitStack() as stack:  # the emulator is unmounted before the rmtree
@@ -106,12 +140,12 @@ def main() -> int:
                 shared = work / "nas"
                 stack.enter_context(NasEmu(work / "shared", shared, meta_latency_us=0,
                                            meta_ops_per_sec=0, log_path=work / "nasemu.log"))
-            return _run(a, nvme, shared, mnt)
+            return _run(a, nvme, shared, mnt, plain)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(a: argparse.Namespace, nvme: Path, shared: Path, mnt: Path) -> int:
+def _run(a: argparse.Namespace, nvme: Path, shared: Path, mnt: Path, plain: Path) -> int:
     ck = [sys.executable, "-m", "ckptfs"]
     out = subprocess.run(ck + ["mount", str(nvme), str(shared), str(mnt), "--node-id", "rp"],
                          check=True, capture_output=True, text=True).stdout
@@ -146,6 +180,21 @@ def _run(a: argparse.Namespace, nvme: Path, shared: Path, mnt: Path) -> int:
             order = [("local via ckptfs", files, True), ("log segments straight", segs, False)]
             for name, paths, daemon in order if i % 2 == 0 else order[::-1]:
                 measure(name, paths, daemon)
+        # random 4 KiB reads of local 4 KiB records vs a plain file on the same disk
+        small = [mnt / f"small{r}.bin" for r in range(a.ranks)]
+        small_plain = [plain / f"small{r}.bin" for r in range(a.ranks)]
+        for paths in (small, small_plain):
+            _parallel(_small_writer, [(str(f), r, a.random_mib) for r, f in enumerate(paths)])
+        rand: dict[str, list[tuple[float, float]]] = {}
+        for i in range(a.rounds):
+            order = [("ckptfs", small, True), ("plain", small_plain, False)]
+            for name, paths, daemon in order if i % 2 == 0 else order[::-1]:
+                _drop_caches()
+                c0 = _cpu(pid)
+                dt = _parallel(_random_reader, [([str(p)], a.random_reads) for p in paths])
+                n = len(paths) * a.random_reads
+                cpu_ms = (_cpu(pid) - c0) * 1000 / (n / 1000) if daemon else 0.0
+                rand.setdefault(name, []).append((n / dt, cpu_ms))
         subprocess.run(ck + ["evict", str(mnt), "--all"], check=True, stdout=subprocess.DEVNULL)
         objs = [str(p) for p in shared.rglob("*.seg")]
         for i in range(a.rounds):
@@ -162,6 +211,16 @@ def _run(a: argparse.Namespace, nvme: Path, shared: Path, mnt: Path) -> int:
             b = max(g for g, _ in res[base])
             cpu = min(c for _, c in res[mine])
             print(f"| {mine.split()[0]} | {m:.3f} | {b:.3f} | {m / b:.2f} | {cpu:.2f} |")
+        print()
+        m = max(x for x, _ in rand["ckptfs"])
+        b = max(x for x, _ in rand["plain"])
+        cpu = min(c for _, c in rand["ckptfs"])
+        print(f"random 4 KiB reads of local 4 KiB records, {a.ranks} readers x "
+              f"{a.random_reads} reads of {a.random_mib} MiB files, page cache dropped")
+        print("| reads | through ckptfs IOPS | plain file IOPS | ratio | "
+              "daemon CPU ms per 1000 reads |")
+        print("|---|---|---|---|---|")
+        print(f"| random | {m:.0f} | {b:.0f} | {m / b:.2f} | {cpu:.0f} |")
     finally:
         subprocess.run(ck + ["umount", str(mnt), "--no-drain"], stdout=subprocess.DEVNULL,
                        check=False)

@@ -55,7 +55,8 @@ def test_bench_smoke_reports_every_field(tmp_path: Path) -> None:
 
 def test_readpath_bench_runs_and_reports_both_restores() -> None:
     res = subprocess.run([sys.executable, "-m", "bench.readpath", "--mib", "4", "--ranks", "2",
-                          "--rounds", "1"], cwd=REPO, capture_output=True, text=True, timeout=180)
+                          "--rounds", "1", "--random-mib", "1", "--random-reads", "200"],
+                         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in res.stdout.splitlines()
             if line.startswith("| local") or line.startswith("| shared")]
@@ -63,6 +64,11 @@ def test_readpath_bench_runs_and_reports_both_restores() -> None:
     for r in rows:
         gbps, base, ratio, cpu = (float(x) for x in r[1:])
         assert gbps > 0 and base > 0 and ratio > 0 and cpu >= 0, res.stdout
+    rows = [line.split("|")[1:-1] for line in res.stdout.splitlines()
+            if line.startswith("| random")]
+    assert len(rows) == 1, res.stdout
+    iops, base, ratio, cpu = (float(x) for x in rows[0][1:])
+    assert iops > 0 and base > 0 and ratio > 0 and cpu >= 0, res.stdout
 
 
 def test_import_scale_bench_runs_and_reports_its_table(tmp_path: Path) -> None:
