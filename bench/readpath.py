@@ -122,7 +122,7 @@ def main() -> int:
     ap.add_argument("--random-mib", type=int, default=32,
                     help="MiB per rank's file of 4 KiB records for the random reads")
     ap.add_argument("--random-reads", type=int, default=2000,
-                    help="random 4 KiB reads per rank")
+                    help="random 4 KiB reads per rank (0: skip them)")
     ap.add_argument("--nas", action="store_true",
                     help="SHARED is the NAS emulator (latencies at zero, its bandwidth cap "
                          "kept) over a local directory, as in `python -m bench`, not the "
@@ -181,12 +181,13 @@ def _run(a: argparse.Namespace, nvme: Path, shared: Path, mnt: Path, plain: Path
             for name, paths, daemon in order if i % 2 == 0 else order[::-1]:
                 measure(name, paths, daemon)
         # random 4 KiB reads of local 4 KiB records vs a plain file on the same disk
+        # (--random-reads 0 skips them)
         small = [mnt / f"small{r}.bin" for r in range(a.ranks)]
         small_plain = [plain / f"small{r}.bin" for r in range(a.ranks)]
-        for paths in (small, small_plain):
+        for paths in (small, small_plain) if a.random_reads > 0 else ():
             _parallel(_small_writer, [(str(f), r, a.random_mib) for r, f in enumerate(paths)])
         rand: dict[str, list[tuple[float, float]]] = {}
-        for i in range(a.rounds):
+        for i in range(a.rounds if a.random_reads > 0 else 0):
             order = [("ckptfs", small, True), ("plain", small_plain, False)]
             for name, paths, daemon in order if i % 2 == 0 else order[::-1]:
                 _drop_caches()
@@ -211,6 +212,8 @@ def _run(a: argparse.Namespace, nvme: Path, shared: Path, mnt: Path, plain: Path
             b = max(g for g, _ in res[base])
             cpu = min(c for _, c in res[mine])
             print(f"| {mine.split()[0]} | {m:.3f} | {b:.3f} | {m / b:.2f} | {cpu:.2f} |")
+        if not rand:
+            return 0
         print()
         m = max(x for x, _ in rand["ckptfs"])
         b = max(x for x, _ in rand["plain"])

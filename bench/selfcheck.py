@@ -44,6 +44,14 @@ def exercise(mnt: Path, backing: Path, nas: NasEmu) -> None:
     check(
         (backing / "step_1" / "__0_0.distcp").read_bytes() == data, "bytes land in the backing dir"
     )
+    # O_DIRECT is the client's business (an NFS server never sees it): the emulator must not
+    # pass it on to the backing filesystem, which would refuse its unaligned buffers
+    fd = os.open(mnt / "step_1" / "__0_0.distcp", os.O_RDONLY | os.O_DIRECT)
+    try:
+        got = os.pread(fd, 5000, 4096)
+    finally:
+        os.close(fd)
+    check(got == data[4096:9096], "an O_DIRECT read")
     os.truncate(mnt / "step_1" / "__0_0.distcp", 1000)
     check(os.stat(mnt / "step_1" / "__0_0.distcp").st_size == 1000, "truncate")
     os.chmod(mnt / "step_1" / "__0_0.distcp", 0o600)

@@ -464,7 +464,9 @@ static int emu_open(const char *path, struct fuse_file_info *fi)
 	}
 	INC(op_count[OP_OPEN], 1);
 	charge_meta();
-	int fd = openat(root_fd, rel(path), (fi->flags & ~O_NOFOLLOW) | O_CLOEXEC);
+	/* O_DIRECT is the client's business (FUSE handles it in the kernel), as an NFS server
+	 * never sees it: passed on, the backing filesystem would refuse our unaligned buffers */
+	int fd = openat(root_fd, rel(path), (fi->flags & ~(O_NOFOLLOW | O_DIRECT)) | O_CLOEXEC);
 	if (fd == -1)
 		return -errno;
 	return new_handle(fi, fd);
@@ -476,7 +478,7 @@ static int emu_create(const char *path, mode_t mode, struct fuse_file_info *fi)
 	if (is_stats(path))
 		return -EEXIST;
 	charge_meta();
-	int fd = openat(root_fd, rel(path), fi->flags | O_CREAT | O_CLOEXEC, mode);
+	int fd = openat(root_fd, rel(path), (fi->flags & ~O_DIRECT) | O_CREAT | O_CLOEXEC, mode);
 	if (fd == -1)
 		return -errno;
 	return new_handle(fi, fd);
