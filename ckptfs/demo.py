@@ -231,6 +231,9 @@ def _join_all(procs: list, timeout: float) -> None:
 @dataclass
 class Dirs:
     root: str
+    # SHARED and the baseline's directory go here instead of under root: `--shared DIR`, a
+    # fresh directory the demo made on the user's own shared filesystem
+    shared_root: str | None = None
     nvme: str = field(init=False)
     shared: str = field(init=False)
     mnt: str = field(init=False)
@@ -239,10 +242,11 @@ class Dirs:
 
     def __post_init__(self) -> None:
         self.nvme = os.path.join(self.root, "nvme")
-        self.shared = os.path.join(self.root, "shared")
+        top = self.shared_root or self.root
+        self.shared = os.path.join(top, "shared")
         self.mnt = os.path.join(self.root, "mnt")
         # the baseline: a plain directory on the same filesystem as SHARED
-        self.straight = os.path.join(self.root, "shared-plain")
+        self.straight = os.path.join(top, "shared-plain")
         self.export = os.path.join(self.root, "export")
         for d in (self.nvme, self.shared, self.mnt, self.straight):
             os.mkdir(d)
@@ -297,10 +301,11 @@ def _fmt_s(s: float) -> str:
 
 
 def run_demo(ranks: int = 8, files_per_rank: int = 64, size_mb: float = 1.0, keep: bool = False,
-             workdir: str | None = None) -> int:
-    """Run the demo; returns the exit code (0 ok, 1 failed, 130 interrupted)."""
+             workdir: str | None = None, shared: str | None = None) -> int:
+    """Run the demo; returns the exit code (0 ok, 1 failed, 130 interrupted). `shared`: an
+    existing directory (a NAS or parallel FS mount) to put SHARED and the baseline in."""
     with _termination_is_interrupt():
-        return _run_demo(ranks, files_per_rank, size_mb, keep, workdir)
+        return _run_demo(ranks, files_per_rank, size_mb, keep, workdir, shared)
 
 
 class _Console:
@@ -320,7 +325,7 @@ class _Console:
 
 
 def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
-              workdir: str | None) -> int:
+              workdir: str | None, shared: str | None = None) -> int:
     con = _Console()
     size = max(1, int(size_mb * (1 << 20)))
     nfiles = ranks * files_per_rank + 1
@@ -328,13 +333,25 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
     if workdir is not None:
         os.makedirs(workdir, exist_ok=True)
     # realpath: the cleanup finds the mount in /proc/mounts by this exact path, never by stat
-    dirs = Dirs(os.path.realpath(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=workdir)))
+    root = os.path.realpath(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=workdir))
+    shared_root = None
+    if shared is not None:
+        try:
+            shared_root = os.path.realpath(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=shared))
+        except OSError as e:
+            shutil.rmtree(root, ignore_errors=True)
+            con.print(f"[red]ckptfs demo failed:[/] cannot make a directory in --shared "
+                      f"{shared}: {e.strerror}")
+            return 1
+    dirs = Dirs(root, shared_root)
     writers: Ranks | None = None
     daemon_pid: int | None = None
     ok = False
     try:
         con.print(f"[bold]ckptfs demo[/] in {dirs.root}: {ranks} ranks x {files_per_rank} files "
                   f"x {size / (1 << 20):g} MiB = {nfiles} files, {total / (1 << 20):,.0f} MiB")
+        if dirs.shared_root is not None:
+            con.print(f"SHARED and the straight save's directory: {dirs.shared_root}")
         writers = Ranks(ranks, files_per_rank, size)
         _mount(dirs)
         daemon_pid = int(os.getxattr(dirs.mnt, "user.ckptfs.pid"))
@@ -375,7 +392,8 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
         manifests = _count_files(os.path.join(dirs.shared, layout.SHARED_ROOT, "manifests"))
         straight_files = _count_files(dirs.straight)
         _table(con, nfiles, straight_files, objects, manifests, shared_ops,
-               straight=(s1 - s0), through=(t1 - t0), durable=(t_durable - t0))
+               straight=(s1 - s0), through=(t1 - t0), durable=(t_durable - t0),
+               own_shared=dirs.shared_root is not None)
         ok = True
         return 0
     except KeyboardInterrupt as e:
@@ -408,14 +426,23 @@ def _cleanup(con: Any, dirs: Dirs, writers: Ranks | None, pid: int | None, ok: b
         writers.reap()
     if _mounted(dirs.mnt):
         con.print(f"[red]{dirs.mnt} is still mounted; left {dirs.root} in place[/]")
+        if dirs.shared_root is not None:
+            con.print(f"[red]left {dirs.shared_root} in place too[/]")
     elif keep:
-        con.print(f"kept {dirs.root} (nvme/, shared/, shared-plain/, export/)")
+        if dirs.shared_root is None:
+            con.print(f"kept {dirs.root} (nvme/, shared/, shared-plain/, export/)")
+        else:
+            con.print(f"kept {dirs.root} (nvme/, export/) and {dirs.shared_root} (shared/, "
+                      "shared-plain/)")
     else:
         shutil.rmtree(dirs.root, ignore_errors=True)
+        if dirs.shared_root is not None:
+            shutil.rmtree(dirs.shared_root, ignore_errors=True)
 
 
 def _table(con: Any, nfiles: int, straight_files: int, objects: int, manifests: int,
-           shared_ops: dict[str, int], straight: float, through: float, durable: float) -> None:
+           shared_ops: dict[str, int], straight: float, through: float, durable: float,
+           own_shared: bool = False) -> None:
     from rich.table import Table
 
     ops = sum(shared_ops.values())
@@ -436,12 +463,18 @@ def _table(con: Any, nfiles: int, straight_files: int, objects: int, manifests: 
     con.print(t)
     con.print(f"[dim]ckptfs shared-store ops: {detail or 'none'}; straight: 1 mkdir, "
               f"{straight_files:,} creates, {straight_files:,} fsyncs.[/]")
+    if own_shared:
+        con.print("[dim]Both saves went to the directory given with --shared: the straight one "
+                  "paid its create and fsync per file there, ckptfs's paid them on local disk "
+                  "and sent the store only the objects above.[/]")
+        return
     con.print("[dim]Honest note: the \"shared dir\" here is a plain local directory on the "
               "same disk, so the straight save is cheap, and the ckptfs save pays for FUSE on 2 "
               "cores shared with the writers. On a real NAS every create and fsync is a round "
               "trip to its metadata server (milliseconds each, worse under a storm), so the "
               "straight save grows with the file count; through ckptfs the NAS sees only the "
-              "few large sequential objects above, written while training goes on.[/]")
+              "few large sequential objects above, written while training goes on. "
+              "Try it on your own store: ckptfs demo --shared /path/on/your/nas[/]")
 
 
 def _log_tail(con: Any, nvme: str, lines: int = 15) -> None:
@@ -547,6 +580,12 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _existing_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"not an existing directory: {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ckptfs.cli import positive_int
 
@@ -560,11 +599,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the directories afterwards (the mount is always removed)")
     parser.add_argument("--workdir", help="make the demo's directories under this directory "
                                           "(default: the system temp directory)")
+    parser.add_argument("--shared", metavar="DIR", type=_existing_dir,
+                        help="put SHARED, and the directory the straight save writes to, in a "
+                             "new directory under DIR (your NAS or parallel FS; removed "
+                             "afterwards); the log stays under --workdir")
 
 
 def main(args: argparse.Namespace) -> int:
     return run_demo(ranks=args.ranks, files_per_rank=args.files_per_rank, size_mb=args.size_mb,
-                    keep=args.keep, workdir=args.workdir)
+                    keep=args.keep, workdir=args.workdir, shared=args.shared)
 
 
 if __name__ == "__main__":
