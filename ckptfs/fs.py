@@ -281,7 +281,7 @@ class Operations(pyfuse3.Operations):
                 pyfuse3.invalidate_inode(ino, True)
             except OSError:
                 pass  # the kernel does not know the inode (anymore): nothing cached
-        await self.ns.log.room()
+        await self.ns.log.room(len(buf))
         n = self.ns.write(ino, off, buf)
         job = self.ns.log.submitted
         while job is not None:

@@ -258,12 +258,13 @@ class SegmentLog:
         n = len(payload)
         size = fmt.record_size(n)
         self.submitted = None
-        if (later is not None and self.token is not None and self.fd >= 0
-                and rtype in _DIRECT_TYPES and (self.queued or n >= QUEUE_MIN)
-                and self.tail + size + 3 * ALIGN < self.segment_size):
-            if len(self.queued) >= PIPELINE_DEPTH:
+        if (later is not None and self.token is not None and rtype in _DIRECT_TYPES
+                and (self.queued or n >= QUEUE_MIN) and self._fits_queue(size)):
+            while self._queue_full(n):
                 self._finish(self.queued[0])  # the oldest: usually written already
-            if not self._halt:
+            # finishing applied records, which may have sealed the segment (or taken back a
+            # failed write): look again
+            if not self._halt and self._fits_queue(size):
                 self._queue_record(rtype, ino, offset, now, payload, size, later)
                 return None
         self.join()
@@ -388,6 +389,21 @@ class SegmentLog:
 
     # --- the writer thread ----------------------------------------------------------------
 
+    def _fits_queue(self, size: int) -> bool:
+        """A record of `size` bytes may be queued: a segment is open and has room for it with
+        its PADs (the queue never crosses a segment's end)."""
+        return self.fd >= 0 and self.tail + size + 3 * ALIGN < self.segment_size
+
+    def _queue_full(self, n: int) -> bool:
+        """Queueing a record of n payload bytes must wait for the oldest queued write: the
+        queue is at its depth, or the record would go the direct way and every staging buffer
+        is in use (PADs and small buffered records count toward the depth but hold none, so
+        the depth alone does not bound the buffers)."""
+        if not self.queued:
+            return False
+        return (len(self.queued) >= PIPELINE_DEPTH
+                or (not self._free_stages and self.dfd >= 0 and n >= self.direct_min))
+
     def _queue_record(self, rtype: int, ino: int, offset: int, now: int,
                       payload: bytes | memoryview, size: int,
                       later: Callable[[int, Record], None]) -> None:
@@ -484,11 +500,18 @@ class SegmentLog:
         if err.errno == errno.EINVAL and failed.stage >= 0:
             self._no_direct(f"O_DIRECT write refused: {err.strerror}")
             failed.retry = True
+        # A PAD has no request of its own to fail: its error is the record's it was queued
+        # for (right behind it). Appended again instead, that record would queue behind a new
+        # PAD at the same tail, which could fail the same way without end.
+        owner = self.queued[0] if failed.rtype == RecType.PAD and self.queued else None
         for job in self.queued:  # cancelled behind it: never written
             job.done.wait()
             if job.stage >= 0:
                 self._free_stages.append(job.stage)
-            job.retry = True
+            if job is owner and not failed.retry:
+                job.error = OSError(err.errno, err.strerror)
+            else:
+                job.retry = True
         self.queued.clear()
         self.tail = failed.pos
         self._cut()  # the failed write may have written part of itself
@@ -503,7 +526,7 @@ class SegmentLog:
         """For the request whose record is `job`: wait (serving other requests meanwhile)
         until it and everything queued before it are written and applied. True if it was not
         written and must be appended again (O_DIRECT refused, or an earlier write failed);
-        raises its own write's error (ENOSPC, EIO)."""
+        raises its own write's error (ENOSPC, EIO), or that of the PAD queued for it."""
         if job in self.queued:
             for earlier in list(self.queued):
                 await earlier.wait()
@@ -537,12 +560,15 @@ class SegmentLog:
         other requests; the join then finds little or nothing left to wait for."""
         await self.join_async(rounds=2)
 
-    async def room(self) -> None:
-        """Before a request appends a data record that may be queued: with the queue full,
-        append() waits for its oldest write on the trio thread. Wait for it here instead,
-        serving other requests."""
-        while len(self.queued) >= PIPELINE_DEPTH and not self.queued[0].done.is_set():
-            await self.queued[0].wait()
+    async def room(self, n: int) -> None:
+        """Before a request appends a data record of n bytes that may be queued: with the
+        queue full, append() waits for its oldest write on the trio thread. Wait for it here
+        instead, serving other requests."""
+        while self._queue_full(n):
+            job = self.queued[0]
+            await job.wait()
+            if self.queued and self.queued[0] is job:
+                self._finish(job)
 
     def write_rate(self) -> float:
         """Bytes/s appended recently (0 once writes stopped for a window)."""
