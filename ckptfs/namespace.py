@@ -338,10 +338,12 @@ class Namespace:
         lookups saw (None if one is unknown)."""
         parts = [name]
         d = parent
+        seen: set[int] = set()
         while d != ROOT_INO:
             up = self.dir_parent.get(d)
-            if up is None:
+            if up is None or d in seen:  # unknown, or a cycle (never from the kernel's VFS)
                 return None
+            seen.add(d)
             for _c, n, child in self.index.readdir(up, 0):
                 if child == d:
                     parts.append(n)
@@ -461,11 +463,13 @@ class Namespace:
         node = self.inode(ino)
         if node.is_dir and flags & os.O_ACCMODE != os.O_RDONLY:
             raise FsError(errno.EISDIR)
-        self.opens[ino] = self.opens.get(ino, 0) + 1
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
             # as on Linux: also when the file is empty (its mtime and ctime move), and also
-            # O_RDONLY (the kernel checked write permission for O_TRUNC)
+            # O_RDONLY (the kernel checked write permission for O_TRUNC). Before the open is
+            # counted: if it fails (ENOSPC, EIO) no RELEASE comes to uncount it, and an open
+            # count that never drops keeps an unlinked file's extents until the next mount.
             node = self.setattr(ino, size=0)
+        self.opens[ino] = self.opens.get(ino, 0) + 1
         return node
 
     def release(self, ino: int) -> None:

@@ -15,6 +15,8 @@ import random
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from mounting import MakeMount, check_errno, run_cli
 
 
@@ -104,3 +106,54 @@ def test_a_tiny_nvme_makes_writers_wait_before_enospc(make_mount: MakeMount) -> 
         m.teardown()
         umount(m.nvme)
         umount(m.shared)
+
+
+def test_an_open_with_o_trunc_that_fails_on_a_full_nvme_is_not_counted_as_open(
+        tmp_path: Path) -> None:
+    """open(O_TRUNC) appends a SETATTR; when that fails (the log's disk is full) the open
+    fails and no RELEASE follows. It used to be counted as open all the same, so once the
+    file was unlinked its inode and extents stayed until the next mount. The log is on a real
+    1 MiB tmpfs, filled up by the namespace's own writes; a filler file frees room after."""
+    from ckptfs.errors import FsError
+    from ckptfs.index import ROOT_INO, Index
+    from ckptfs.log import SegmentLog
+    from ckptfs.namespace import Namespace
+    from ckptfs.reads import Reader
+    from ckptfs.recovery import replay
+
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    sh("mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(disk))
+    index = None
+    try:
+        filler = disk / "filler"
+        filler.write_bytes(b"f" * (128 << 10))
+        index = Index(str(tmp_path / "index"))
+        log = SegmentLog(str(disk / "segments"), "t0", 256 << 10)
+        replay(index, log)
+        ns = Namespace(index, log, Reader(log.path))
+        index.ensure_root(0, 0, 0o755, 1)
+        a = ns.create(ROOT_INO, b"a", 0o644, 0, 0)
+        ns.write(a.ino, 0, b"a" * 3000)
+        ns.release(a.ino)
+        b = ns.create(ROOT_INO, b"b", 0o644, 0, 0)
+        off = 0
+        for n in (3000, 100, 1):  # until not even the smallest record fits
+            with pytest.raises(OSError) as full:
+                for _ in range(1000):
+                    ns.write(b.ino, off, b"b" * n)
+                    off += n
+            check_errno(full.value, errno.ENOSPC)
+        with pytest.raises((OSError, FsError)) as failed:
+            ns.open(a.ino, os.O_WRONLY | os.O_TRUNC)
+        assert getattr(failed.value, "errno", None) == errno.ENOSPC, failed.value
+        assert a.ino not in ns.opens, "a failed open is counted as open"
+        filler.unlink()
+        ns.unlink(ROOT_INO, b"a", want_dir=False)
+        ns.forget(a.ino, 1)  # the kernel's lookup from the create
+        assert index.get_inode(a.ino) is None, "unlinked, never open, but not purged"
+        log.close()
+    finally:
+        if index is not None:
+            index.close()
+        umount(disk)
