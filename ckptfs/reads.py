@@ -379,6 +379,11 @@ class Reader:
                 whole = data[p:end]
                 if not fmt.verify_record(whole):
                     break  # never step over a damaged header: its length may be wrong too
+                if 2 * len(whole) < len(data):
+                    # a copy: a view of a small record would keep the whole window alive while
+                    # the cache counts only the record (a reader of the small records between
+                    # big ones would pin a window each, unbounded by REMOTE_CACHE_BYTES)
+                    whole = memoryview(bytes(whole))
                 if p == 0:
                     first = whole
                 self._cache_remote((e.seg, e.rec_pos + p), whole)

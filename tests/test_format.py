@@ -538,6 +538,37 @@ def test_remote_reads_fetch_windows_verify_each_record_and_never_return_bad_byte
     assert len(obj.reads) == before + 1
 
 
+def test_remote_cache_holds_no_more_memory_than_it_counts() -> None:
+    """Small records between big ones on the shared store: each small read fetches a window
+    of which the small record is a sliver. The cache used to keep a view of it, pinning the
+    whole window while counting only the record (a reader of 300 such records held 300 MiB
+    against a 32 MiB budget). Every cached record must pin at most twice what it counts."""
+    from ckptfs.index import Extent
+    from ckptfs.reads import REMOTE_WINDOW
+
+    rng = __import__("random").Random(9)
+    small, big = 4096, REMOTE_WINDOW + (REMOTE_WINDOW >> 2)
+    seg = bytearray(fmt.SEGMENT_HEADER_SIZE)
+    smalls: list[tuple[Extent, bytes]] = []
+    for k in range(24):
+        for ino, n in ((1, small), (2, big)):
+            pos = len(seg)
+            data = rng.randbytes(n)
+            for p in fmt.encode_record(RecType.WRITE, ino, k * n, 0, pos, data):
+                seg += p
+            if ino == 1:
+                smalls.append((Extent(k * n, 7, pos, 0, n, n), data))
+    r = Reader(lambda s: "/nonexistent", "n", _Object(bytes(seg)))
+    r.forget(7)
+    for e, data in smalls:
+        assert bytes(r.read([e], e.start, small, 24 * small)) == data
+    cached = list(r._remote_cache.values())
+    assert len(cached) >= 24
+    counted = sum(len(v) for v in cached)
+    pinned = sum(len(v.obj) for v in {id(v.obj): v for v in cached}.values())
+    assert pinned <= 2 * counted, f"{pinned >> 20} MiB held for {counted >> 10} KiB counted"
+
+
 def test_read_cached_serves_local_records_from_the_page_cache_only(tmp_path: Path) -> None:
     """The trio thread answers a read inline only if it needs no device: local bytes must be
     in the page cache (preadv2 RWF_NOWAIT), else read_cached says None and the read goes to a
