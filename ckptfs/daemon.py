@@ -261,8 +261,10 @@ class Daemon:
                 self.lock.release()
                 raise CliError(f"node id {node!r} publishes to {cfg.shared}: a --read-only "
                                f"mount needs a node id of its own (--node-id)")
+        # both tiers: an object moved to the cold one keeps its name taken
+        tiers = Tiered(self.store, self.cold) if self.cold is not None else self.store
         try:
-            objs = self.store.list_objects(cfg.node_id or socket.gethostname())
+            objs = tiers.list_objects(cfg.node_id or socket.gethostname())
         except OSError as e:
             if fresh:  # it must number after, and import, what the node published before
                 self.lock.release()
@@ -279,7 +281,7 @@ class Daemon:
             raise CliError(str(e)) from None
         self.index, self.seglog, self.replay_report = open_state(
             cfg.nvme, cfg.node_id, cfg.segment_size,
-            store=Tiered(self.store, self.cold) if self.cold is not None else self.store,
+            store=tiers,
             first_seg=int(ident.get("first_segment", 1)))
         rep = self.replay_report
         if rep.records or rep.corruption:
@@ -289,7 +291,7 @@ class Daemon:
         # a node whose NVMe was lost keeps numbering after what it already published, so its
         # object names and manifest sequence numbers never collide with the old ones
         try:
-            objs = self.store.list_objects(cfg.node_id)
+            objs = tiers.list_objects(cfg.node_id)
             mans = self.store.list_manifests(cfg.node_id)
         except OSError as e:
             log.warning("shared store not readable at mount (%s); continuing on NVMe", e)

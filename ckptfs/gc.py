@@ -29,13 +29,16 @@ import trio
 
 from ckptfs import layout
 from ckptfs import segment as fmt
-from ckptfs.index import Index, SegState, read_applied
+from ckptfs.index import VSEG_BIT, Index, SegState, read_applied
 from ckptfs.remote import newest_manifests
 from ckptfs.shared import ANSWER_TIMEOUT, SharedStore
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_DIR = "snapshot"
+# on a store: SHARED or the cold tier (the names a node's NVMe-less mount numbers after)
+STORED = (SegState.PUBLISHED, SegState.EVICTED, SegState.COLD)
+DEAD_STATES = (*STORED, SegState.DROPPED)
 
 
 @dataclass
@@ -124,16 +127,23 @@ class Collector:
                 log.exception("garbage collection failed; will try again")
 
     def dead_segments(self) -> list[tuple[int, int, int]]:
-        """(seg, state, size) of segments with no live data, strictly behind the view."""
+        """(seg, state, size) of segments with no live data, strictly behind the view, but
+        never the highest-numbered object on a store: its name is this node's high-water
+        mark. A node whose NVMe is lost numbers its segments after the objects it finds
+        (daemon.py); were the top one deleted, the new NVMe would publish a different object
+        under its name, and another node that cached records of the old one by (object,
+        position) could serve them for the new one."""
         pub_seg = self.drain.pub.applied[0]
         out = []
+        top = 0
         for seg, i in self.index.iter_segments():
-            if seg > pub_seg:
+            if seg & VSEG_BIT:  # another node's object, imported
                 break
-            if i.state in (SegState.PUBLISHED, SegState.EVICTED, SegState.DROPPED,
-                           SegState.COLD) and i.live == 0 and seg < pub_seg:
+            if i.state in STORED:
+                top = seg
+            if seg < pub_seg and i.live == 0 and i.state in DEAD_STATES:
                 out.append((seg, i.state, i.size))
-        return out
+        return [r for r in out if r[0] != top]
 
     async def collect(self, force: bool = False) -> int:
         self.stats.runs += 1

@@ -585,6 +585,44 @@ def test_gc_keeps_what_the_newest_manifest_names_until_a_newer_one_is_out(
     assert (m.mnt / "step_2/x").read_bytes() == blob("x", 900_000)
 
 
+def test_gc_keeps_the_top_object_so_a_new_nvme_never_reuses_an_object_name(
+        make_mount: MakeMount) -> None:
+    """Every object but the newest segment's is dead, and the newest segment was dropped (its
+    data died before upload): gc deletes the dead objects but not the highest-numbered one,
+    whose name is the node's high-water mark. A new NVME for the node numbers its segments
+    after the objects it finds; with the top one deleted too it started again from 1 and
+    published other bytes under old names (another node may still cache records of the old
+    objects by name and position)."""
+    m = start_node(make_mount, "a", "n0", extra=["--gc-grace", "0"], segment_size="1M")
+    write_tree(m.mnt, {"a.bin": blob("a", 2_500_000)})
+    wait_published(m.mnt)
+    first = {int(p.name[:16], 16) for p in objects(m.shared, "n0")}
+    assert len(first) >= 2, first
+    os.unlink(m.mnt / "a.bin")
+    write_tree(m.mnt, {"t.bin": blob("t", 100_000)})
+    os.unlink(m.mnt / "t.bin")
+    write_tree(m.mnt, {"empty": b""})
+    wait_published(m.mnt)
+    assert status(m)["segments"].get("dropped", 0) >= 1, status(m)["segments"]
+    cli("gc", m.mnt)
+    left = {int(p.name[:16], 16) for p in objects(m.shared, "n0")}
+    assert left, "gc deleted every object of the node"
+    assert max(left) >= max(first), (left, first)
+    assert not first <= left, "gc deleted nothing"
+    m.unmount()
+    shutil.rmtree(m.nvme)
+    m.nvme.mkdir()
+    m.start()
+    write_tree(m.mnt, {"b.bin": blob("b", 1_500_000)})
+    wait_published(m.mnt)
+    new = {int(p.name[:16], 16) for p in objects(m.shared, "n0")} - left
+    assert new and min(new) > max(first), (sorted(new), sorted(first))
+    assert (m.mnt / "b.bin").read_bytes() == blob("b", 1_500_000)
+    assert not (m.mnt / "a.bin").exists()
+    m.unmount()
+    assert_fsck_clean(m.shared)
+
+
 def test_segment_states_survive_a_sigkill_in_an_idle_period(make_mount: MakeMount) -> None:
     """What the drain records about segments (the intent to upload, PUBLISHED) reaches the
     index's disk copy even when no log record follows: after a SIGKILL in an idle period,
