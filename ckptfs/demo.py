@@ -318,6 +318,10 @@ class _Console:
         self.rich = Console(highlight=False)
 
     def print(self, *a: Any, **kw: Any) -> None:
+        if all(isinstance(x, str) for x in a):
+            # a line of text is not broken at rich's width (80 when piped, e.g. to a CI log,
+            # where "513\nfiles" would follow); a terminal wraps it
+            kw.setdefault("soft_wrap", True)
         try:
             self.rich.print(*a, **kw)
         except OSError:
