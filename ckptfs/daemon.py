@@ -345,6 +345,7 @@ class Daemon:
                             self.seglog.path, self.reader.forget, self.commit_index,
                             grace=cfg.gc_grace, interval=GC_INTERVAL)
         self.gc.cold = self.cold
+        self.gc.local_freed = self.cache.removed
         self.drain.cold_url = cfg.cold
         self.drain.cold = self.cold
         self.drain.policy = cfg.drain_policy
@@ -492,11 +493,11 @@ class Daemon:
 
     def retention_pass(self) -> dict:
         res = self.retention.run_once()
-        for name in res["deleted"]:
-            try:
-                pyfuse3.invalidate_entry_async(ROOT_INO, os.fsencode(name))
-            except Exception:
-                pass
+        for parent, name in res["entries"]:
+            try:  # (its directory, its name): "run/step_1" is no name in the root
+                pyfuse3.invalidate_entry_async(parent, name)
+            except Exception as e:
+                log.debug("invalidating %r in directory %d: %s", name, parent, e)
         if self.coldtier is not None and res["to_cold"]:
             self.coldtier.want(res["to_cold"])
         for seg in sorted(res["evictable"]):

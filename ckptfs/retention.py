@@ -42,6 +42,7 @@ import fnmatch
 import logging
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +123,8 @@ class Retention:
         # names only the newest, and the one it named before stays complete
         self._named: set[int] = set()
         self._listings: dict[int, tuple[int, list[tuple[int, str, int]]]] = {}
+        self._texts: dict[int, tuple[tuple[int, int], str]] = {}  # marker ino -> text
+        self._fetching: set[int] = set()
 
     def _matches(self, name: str, globs: tuple[str, ...]) -> bool:
         return any(fnmatch.fnmatchcase(name, g) for g in globs)
@@ -132,6 +135,7 @@ class Retention:
         out: list[Checkpoint] = []
         dirs: list[tuple[int, str, int]] = [(ROOT_INO, "", 1)]
         seen: set[int] = set()
+        markers: set[int] = set()  # the marker files this pass saw
         while dirs:
             dino, prefix, depth = dirs.pop()
             seen.add(dino)
@@ -147,11 +151,10 @@ class Retention:
                 elif node.is_dir and depth < MAX_DEPTH:
                     dirs.append((child, prefix + sname + "/", depth + 1))
                 elif stat.S_ISREG(node.mode) and sname in TOP_MARKERS and node.size < 4096:
-                    try:
-                        text = self.ns.read(child, 0, 4096).decode(errors="replace")
+                    text = self._marker_text(child, node)
+                    markers.add(child)
+                    if text is not None:
                         named.add(prefix + named_by(text))
-                    except (FsError, OSError):
-                        pass
             for c in found:
                 done = self._marker_time(c.ino)
                 if c.name in named:
@@ -163,8 +166,52 @@ class Retention:
         self._named &= {c.ino for c in out}
         for gone in self._listings.keys() - seen:
             del self._listings[gone]
+        for gone in self._texts.keys() - markers:
+            del self._texts[gone]
         out.sort(key=lambda c: c.order)
         return out
+
+    def _marker_text(self, ino: int, node: Any) -> str | None:
+        """The text of a marker file that names a checkpoint (DeepSpeed's `latest`), read
+        again only when it changed. A pass runs on the request thread: bytes that are not on
+        NVMe (the file evicted, or another node's) are read only from memory, and fetched for
+        the next pass by a thread of its own, so a store that does not answer never holds up
+        the mount. None: not known yet, or unreadable."""
+        key = (node.mtime_ns, node.size)
+        hit = self._texts.get(ino)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        try:
+            exts, fsize, local = self.ns.read_plan(ino, 0, 4096)
+            if local:
+                data = self.ns.reader.read(exts, 0, 4096, fsize)
+            else:
+                data = self.ns.reader.read_cached(exts, 0, 4096, fsize)
+                if data is None:
+                    self._fetch(ino, exts, fsize)
+                    return None
+            text = bytes(data).decode(errors="replace")
+        except (FsError, OSError):
+            return None
+        self._texts[ino] = (key, text)
+        return text
+
+    def _fetch(self, ino: int, exts: list, fsize: int) -> None:
+        """Bring a marker's records into the reader's memory, off the request thread (one
+        fetch per file at a time: a hung store keeps at most one thread per marker)."""
+        if ino in self._fetching:
+            return
+        self._fetching.add(ino)
+
+        def run() -> None:
+            try:
+                self.ns.reader.read(exts, 0, 4096, fsize)
+            except Exception as e:  # EIO, a store gone: the next pass tries again
+                log.debug("retention: reading marker inode %d: %s", ino, e)
+            finally:
+                self._fetching.discard(ino)
+
+        threading.Thread(target=run, name="ckptfs-marker", daemon=True).start()
 
     def _listing(self, dino: int) -> list[tuple[int, str, int]]:
         """(cookie, name, inode) of the subdirectories and marker files in directory `dino`:
@@ -230,7 +277,7 @@ class Retention:
     def run_once(self) -> dict[str, Any]:
         """Apply keep-shared (deletes) and compute keep-local protection; returns what it did."""
         cps = self.checkpoints()
-        deleted: list[str] = []
+        deleted: list[Checkpoint] = []
         to_cold: set[int] = set()
         band: list[Checkpoint] = []
         self.cold_band = []
@@ -248,7 +295,7 @@ class Retention:
                       for c in cps)
         now = time.monotonic()
         if shape == self._shape and now - self._walked < REWALK:
-            return {"deleted": deleted, "evictable": evictable, "to_cold": to_cold}
+            return self._result(deleted, evictable, to_cold)
         self._shape, self._walked = shape, now
         if band:
             to_cold = self._exclusive_segments(band)
@@ -265,9 +312,19 @@ class Retention:
                 old += group[:-self.cfg.keep_local]
             for c in old:
                 evictable |= self._segments_of(c.ino) - keep_segs
-        return {"deleted": deleted, "evictable": evictable, "to_cold": to_cold}
+        return self._result(deleted, evictable, to_cold)
 
-    def _keep(self, group: list[Checkpoint], deleted: list[str],
+    @staticmethod
+    def _result(deleted: list[Checkpoint], evictable: set[int],
+                to_cold: set[int]) -> dict[str, Any]:
+        """What a pass did: `deleted` the checkpoints' paths, `entries` their (directory
+        inode, name) for the kernel to forget, `evictable` and `to_cold` segments."""
+        return {"deleted": [c.name for c in deleted],
+                "entries": [(c.parent, os.fsencode(c.name.rsplit("/", 1)[-1]))
+                            for c in deleted],
+                "evictable": evictable, "to_cold": to_cold}
+
+    def _keep(self, group: list[Checkpoint], deleted: list[Checkpoint],
               band: list[Checkpoint]) -> list[Checkpoint]:
         """--keep-shared (and the cold tier's bands) within one directory's checkpoints:
         deletes what goes, adds what moves to the cold tier to `band`; returns the rest."""
@@ -288,7 +345,7 @@ class Retention:
         for c in group:
             if c.order < cutoff and not self._in_progress(c, now_ns):
                 self._delete(c)
-                deleted.append(c.name)
+                deleted.append(c)
             else:
                 kept.append(c)
         if self.cfg.cold:

@@ -735,3 +735,60 @@ def test_directory_and_symlink_mtimes_reach_other_nodes_and_export(make_mount: M
     # and what this node writes into that directory moves it here, as any write does
     write_tree(b.mnt, {"step_2/mine": b"n1's"})
     assert os.stat(b.mnt / "step_2").st_mtime_ns > when["step_2"]
+
+
+def test_a_store_that_never_answers_for_another_nodes_latest_file_does_not_stop_the_mount(
+        make_mount: MakeMount) -> None:
+    """Retention reads DeepSpeed's `latest` (which names the complete checkpoint beside it)
+    on every pass, on the request thread. On node B that file is A's, so its bytes are on
+    SHARED; a store that does not answer for them (a FIFO in place of the object: opening it
+    blocks) used to stop B's whole mount. Now the request thread reads only what is in
+    memory and a thread of its own waits for the store."""
+    import select
+    import threading
+
+    a = start_node(make_mount, "a", "n0")
+    write_tree(a.mnt, {"run/global_step1/mp_rank_00_model_states.pt": blob("m", 300_000),
+                       "run/latest": b"global_step1"})
+    wait_published(a.mnt)
+    holder = [p for p in objects(a.shared, "n0") if b"global_step1" in p.read_bytes()]
+    assert len(holder) == 1, holder
+    fifo = holder[0]
+    away = fifo.with_name(fifo.name + ".away")
+    fifo.rename(away)
+    os.mkfifo(fifo)
+
+    def unblock() -> None:  # give any reader of the FIFO an end of file
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader: nothing to unblock
+            return
+        os.close(fd)
+
+    try:
+        b = start_node(make_mount, "b", "n1", shared=a.shared)
+        wait_for(lambda: (b.mnt / "run" / "latest").exists(), SEEN_WITHIN,
+                 "B to see A's checkpoint")
+        time.sleep(3)  # a retention pass or more has looked at `latest`
+        done = threading.Event()
+
+        def probe() -> None:
+            os.stat(b.mnt)
+            os.listdir(b.mnt / "run")
+            (b.mnt / "mine").write_bytes(b"x")
+            done.set()
+
+        t = threading.Thread(target=probe, daemon=True)
+        t.start()
+        answered = done.wait(10)
+        if not answered:
+            unblock()  # let the daemon go on, so that the test can unmount it
+        assert answered, "B's mount stopped answering while SHARED did not answer"
+        unblock()
+        select.select([], [], [], 0.5)
+        t.join(10)
+    finally:
+        unblock()
+        if fifo.exists() and not fifo.is_file():
+            fifo.unlink()
+            away.rename(fifo)

@@ -498,3 +498,49 @@ def test_deleting_a_checkpoint_costs_object_deletes_not_file_deletes(make_mount)
     req(m.mnt, op="gc")
     unlinks = status(m.mnt)["shared_ops"].get("unlink", 0) - before
     assert 0 < unlinks <= objects + 4, (unlinks, objects)
+
+
+def test_a_checkpoint_retention_deletes_below_the_root_is_gone_at_once(make_mount) -> None:
+    """The kernel is told to forget a checkpoint retention deleted, by its directory and
+    name. For run/step_1 it was asked for an entry "run/step_1" in the root, which is none,
+    so a stat kept finding the deleted directory for the entry timeout (5 s)."""
+    m = make_mount(extra_args=["--node-id", "n0", "--keep-shared", "1"], segment_size="1M")
+    run = m.mnt / "run"
+    write(run / "step_1" / "a.distcp", b"1" * 1000)
+    write(run / "step_1" / ".metadata", b"m")
+    write(run / "step_2" / "a.distcp", b"2" * 1000)
+    write(run / "step_2" / ".metadata", b"m")
+    deadline = time.monotonic() + 30
+    while "run/step_1" not in status(m.mnt)["retention"]["recently_deleted"]:
+        assert time.monotonic() < deadline, "retention did not delete run/step_1"
+        try:
+            os.stat(run / "step_1")  # the kernel keeps the entry for ENTRY_TIMEOUT
+        except FileNotFoundError:
+            pass
+        time.sleep(0.1)
+    wait_for(lambda: not os.path.exists(run / "step_1"), 1.5,
+             "the kernel to forget run/step_1 (it kept the entry)")
+    assert (run / "step_2" / "a.distcp").read_bytes() == b"2" * 1000
+
+
+def test_gc_of_local_segments_lowers_what_the_cache_counts(make_mount) -> None:
+    """With --cache-size, the cache counts the bytes of its segments on NVMe. GC deleting
+    a local segment file did not take its bytes off: the count grew with every checkpoint
+    retention deleted, until everything published was evicted at once and writers waited
+    for room that was there."""
+    cap = 24 << 20
+    m = make_mount(extra_args=["--node-id", "n0", "--keep-shared", "1", "--gc-grace", "0",
+                               "--cache-size", str(cap)], segment_size="1M")
+    for step in range(1, 9):
+        for r in range(3):
+            write(m.mnt / f"step_{step}" / f"{r}.distcp", os.urandom(1_500_000))
+        write(m.mnt / f"step_{step}" / ".metadata", b"m")
+        wait(m.mnt)
+        wait_for(lambda step=step: f"step_{step - 1}" not in os.listdir(m.mnt) or step == 1,
+                 20, "retention to delete the checkpoint before")
+        res = run_cli("gc", m.mnt)
+        assert res.rc == 0, str(res)
+    st = status(m.mnt)
+    # sealed segments on NVMe: what `status` finds in the index, and what the cache counts
+    assert st["cache"]["counted_bytes"] == st["local_bytes_used"], st
+    assert st["local_bytes_used"] < cap // 2, st
