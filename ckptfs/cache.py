@@ -92,6 +92,10 @@ class LocalCache:
     def sealed(self, size: int) -> None:
         self.local_bytes += size
 
+    def removed(self, size: int) -> None:
+        """GC deleted a segment this cache counted as local (published or dropped)."""
+        self.local_bytes -= size
+
     # --- evicting -------------------------------------------------------------------------
 
     def candidates(self) -> list[tuple[int, int]]:
@@ -198,6 +202,7 @@ class LocalCache:
         frac, hard = self.usage()
         return {"state": self.state, "usage": round(frac, 4), "hard_limit": hard,
                 "high_watermark": self.cfg.high, "low_watermark": self.cfg.low,
-                "cache_size": self.cfg.cache_size, "evictions": self.evictions,
+                "cache_size": self.cfg.cache_size, "counted_bytes": self.local_bytes,
+                "evictions": self.evictions,
                 "evicted_bytes": self.evicted_bytes, "waiting_writers": self.waiting_writers,
                 "enospc_errors": self.enospc_errors}

@@ -105,6 +105,8 @@ class Collector:
         # node -> (seq of its newest manifest, this node's segment ids that it references)
         self._refs: dict[str, tuple[int, set[str]]] = {}
         self.cold: Any = None  # the cold tier's store, if any
+        # told the size of each local segment file GC removes (cache.LocalCache.removed)
+        self.local_freed: Callable[[int], None] = lambda size: None
         self.stats = GcStats()
         self.snapshot_seg = self._snapshot_seg()
         # why the last pass could not look at every dead segment ("" = it could); `ckptfs gc`
@@ -221,6 +223,7 @@ class Collector:
                     self.stats.bytes_freed_local += size
                 except FileNotFoundError:
                     pass
+                self.local_freed(size)  # the cache counted it as on NVMe
             self.index.drop_segment(seg)
             self.first_dead.pop(seg, None)
             self.stats.segments_deleted += 1
