@@ -396,8 +396,11 @@ class Refresher:
                              or not manifest.deleted_version(e, mtime_ns, size, is_dir)])
 
     def _apply_entry(self, node: str, e: manifest.Entry) -> int:
-        if node != self.node and self._deleted(node, e):
-            return 0  # deleted here or elsewhere: not brought back (_apply_tombstones)
+        if self._deleted(node, e):
+            # deleted here or elsewhere: not brought back (_apply_tombstones). Our own
+            # entries too (a new NVME directory importing the node's last manifest): another
+            # node may have deleted them while this one was down
+            return 0
         parent, name = self._parent(e.path, node, self._dir_mtime.get(e.path.rsplit("/", 1)[0],
                                                                       e.mtime_ns))
         idx = self.ns.index

@@ -792,3 +792,33 @@ def test_a_store_that_never_answers_for_another_nodes_latest_file_does_not_stop_
         if fifo.exists() and not fifo.is_file():
             fifo.unlink()
             away.rename(fifo)
+
+
+def test_a_new_nvme_does_not_bring_back_what_another_node_deleted_of_this_ones(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """A deletes step_1, B's shard in it too (a tombstone for B's version), while B is down;
+    B's NVMe is lost, and its new NVME directory imports B's own last manifest, which still
+    lists the shard. The import used to skip the tombstone check for the node's own entries:
+    the deleted shard came back on B (and into B's next manifest), while A and SHARED had
+    it gone."""
+    a, b = two_nodes(make_mount)
+    write_tree(b.mnt, {"step_1/shard_b.bin": blob("b", 500_000)})
+    wait_published(b.mnt)
+    write_tree(a.mnt, {"step_1/shard_a.bin": blob("a", 500_000), "keep/x": b"x"})
+    wait_published(a.mnt)
+    wait_for(lambda: (a.mnt / "step_1" / "shard_b.bin").exists(), SEEN_WITHIN,
+             "A to see B's shard")
+    b.kill()
+    b.clean_stale()
+    shutil.rmtree(a.mnt / "step_1")
+    wait_published(a.mnt)
+    shutil.rmtree(b.nvme)
+    b.nvme.mkdir()
+    b.start()
+    assert not (b.mnt / "step_1" / "shard_b.bin").exists(), "B brought back its deleted shard"
+    assert (b.mnt / "keep" / "x").read_bytes() == b"x"
+    write_tree(b.mnt, {"after.bin": b"b"})
+    wait_published(b.mnt)
+    time.sleep(2 * REFRESH + 1)
+    assert not (a.mnt / "step_1").exists(), "the deleted checkpoint came back on A"
+    assert set(export_files(a.shared, "", tmp_path / "out")) == {"keep/x", "after.bin"}
