@@ -350,9 +350,11 @@ class Drain:
             for seg, _size in items:
                 self.in_flight[seg] = 0
             self.store.check()
-            # published before a crash (the name is final): keep it
+            # published before a crash (the name is final): keep it, if it is this segment
+            # (not another NVME directory's under the same name: then the put says EEXIST)
             rest = [(seg, size) for seg, size in items
-                    if not (seg in maybe_there and self.store.object_ok(self.node, seg, size))]
+                    if not (seg in maybe_there and self.store.object_ok(
+                        self.node, seg, size, self._local_head(seg)))]
             if not rest:
                 return 0
             sizes = self.store.put_objects(self.node, [(seg, self.seg_path(seg))
@@ -504,6 +506,14 @@ class Drain:
         mine = manifest.parse(data, "the manifest to publish")
         return (have.node, have.objects, have.entries, have.cold) == \
             (mine.node, mine.objects, mine.entries, mine.cold)
+
+    def _local_head(self, seg: int) -> bytes:
+        """The local segment file's header (b"" if it cannot be read)."""
+        try:
+            with open(self.seg_path(seg), "rb") as f:
+                return f.read(fmt.SEGMENT_HEADER_SIZE)
+        except OSError:
+            return b""
 
     def _open_sealed(self, seg: int, size: int) -> fmt.SealedSegment:
         path = self.seg_path(seg)

@@ -284,9 +284,11 @@ class S3Store:
                                 None if progress is None else lambda n, s=seg: progress(s, n))[0]
                 for seg, src in items]
 
-    def object_ok(self, node: str, seg: int, size: int) -> bool:
+    def object_ok(self, node: str, seg: int, size: int, head: bytes = b"") -> bool:
         try:
             if self.object_size(node, seg) != size:
+                return False
+            if head and self.read_range(node, seg, 0, len(head)) != head:
                 return False
             return fmt.parse_footer(self.read_range(node, seg, size - fmt.FOOTER_SIZE,
                                                     fmt.FOOTER_SIZE)) is not None

@@ -464,16 +464,20 @@ class SharedStore:
         return [f.result() for f in futures]
 
     @watched("object check")
-    def object_ok(self, node: str, seg: int, size: int) -> bool:
-        """A published object of this size with a valid footer exists (crash after rename).
-        Its name is made durable before True is returned: the attempt that renamed it may
-        have died before its directory fsync."""
+    def object_ok(self, node: str, seg: int, size: int, head: bytes = b"") -> bool:
+        """A published object of this size with a valid footer exists (crash after rename),
+        and begins with `head` (the local segment's header: its node, id and creation time
+        tell this segment from another NVME directory's of the same name). Its name is made
+        durable before True is returned: the attempt that renamed it may have died before
+        its directory fsync."""
         path = self.object_path(node, seg)
         try:
             self._op("stat")
             if os.path.getsize(path) != size:
                 return False
             with open(path, "rb") as f:
+                if head and f.read(len(head)) != head:
+                    return False
                 f.seek(size - fmt.FOOTER_SIZE)
                 if fmt.parse_footer(f.read(fmt.FOOTER_SIZE)) is None:
                     return False

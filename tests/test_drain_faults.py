@@ -623,6 +623,42 @@ def test_gc_keeps_the_top_object_so_a_new_nvme_never_reuses_an_object_name(
     assert_fsck_clean(m.shared)
 
 
+def test_an_old_nvme_directory_back_after_a_new_one_took_over_never_adopts_its_objects(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """Node n0's NVMe is lost while segments were being uploaded; a new NVME directory takes
+    over n0 and publishes segments of the same ids. Then the old directory comes back and is
+    mounted (by mistake). Its uploads that may have completed before the crash used to be
+    taken as published when an object of that name and size with a footer was there: the new
+    directory's, so the old one's records pointed into other bytes (EIO after an eviction).
+    Now the object must begin with the segment's own header: EEXIST, said in status, and the
+    new directory's objects untouched."""
+    m = start_node(make_mount, "a", "n0", extra=["--upload-limit", "0.05"],
+                   segment_size="1M")
+    write_tree(m.mnt, {f"step_2/{i}.bin": blob(f"old{i}", 1_500_000) for i in range(3)})
+    wait_for(lambda: status(m).get("segments", {}).get("uploading", 0) > 0, 30,
+             "an upload to be under way")
+    m.kill()
+    m.clean_stale()
+    old = tmp_path / "old-nvme"
+    m.nvme.rename(old)
+    m.nvme.mkdir()
+    m.extra_args.remove("--upload-limit")
+    m.extra_args.remove("0.05")
+    m.start()
+    write_tree(m.mnt, {f"step_2/{i}.bin": blob(f"new{i}", 1_500_000) for i in range(3)})
+    wait_published(m.mnt)
+    m.unmount()
+    published = {p.name: p.read_bytes() for p in objects(m.shared, "n0")}
+    shutil.rmtree(m.nvme)
+    old.rename(m.nvme)
+    m.start()
+    wait_for(lambda: "already exists" in (status(m).get("last_error") or ""), 60,
+             "the old directory's drain to refuse the other directory's objects")
+    assert status(m)["segments_uploaded"] == 0, status(m)
+    assert {p.name: p.read_bytes() for p in objects(m.shared, "n0")} == published
+    m.unmount(timeout=30)
+
+
 def test_segment_states_survive_a_sigkill_in_an_idle_period(make_mount: MakeMount) -> None:
     """What the drain records about segments (the intent to upload, PUBLISHED) reaches the
     index's disk copy even when no log record follows: after a SIGKILL in an idle period,
