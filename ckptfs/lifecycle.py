@@ -222,7 +222,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
                       retention=RetentionConfig(
                           tuple(a.retain) if a.retain else DEFAULT_RETAIN,
                           tuple(a.marker) if a.marker else DEFAULT_MARKERS,
-                          a.keep_local, a.keep_shared, bool(a.cold), a.keep_cold),
+                          a.keep_local, a.keep_shared, bool(a.cold), a.keep_cold,
+                          nodes=a.nodes),
                       cold=(a.cold if not a.cold or a.cold.startswith("s3://")
                             else os.path.abspath(a.cold)) if a.cold else "",
                       gc_grace=a.gc_grace, nodes_required=a.nodes, dedup=not a.no_dedup,

@@ -90,6 +90,9 @@ class RetentionConfig:
     keep_shared: int = 0  # 0 = keep everything
     cold: bool = False  # a cold tier is configured: the band after keep_shared moves there
     keep_cold: int = 0  # 0 = keep everything on the cold tier
+    # --nodes N: a checkpoint counts as complete only once files of N nodes are in it (this
+    # node's own, and other nodes' imported from their published manifests)
+    nodes: int = 0
 
 
 @dataclass
@@ -124,6 +127,7 @@ class Retention:
         self._named: set[int] = set()
         self._listings: dict[int, tuple[int, list[tuple[int, str, int]]]] = {}
         self._texts: dict[int, tuple[tuple[int, int], str]] = {}  # marker ino -> text
+        self._all_nodes: set[int] = set()  # checkpoints seen with files of cfg.nodes nodes
         self._fetching: set[int] = set()
 
     def _matches(self, name: str, globs: tuple[str, ...]) -> bool:
@@ -159,11 +163,13 @@ class Retention:
                 done = self._marker_time(c.ino)
                 if c.name in named:
                     self._named.add(c.ino)
-                c.complete = done is not None or c.ino in self._named
+                c.complete = (done is not None or c.ino in self._named) \
+                    and self._enough_nodes(c.ino)
                 if done is not None:
                     c.order = (done, c.order[1])
             out += found
         self._named &= {c.ino for c in out}
+        self._all_nodes &= {c.ino for c in out}
         for gone in self._listings.keys() - seen:
             del self._listings[gone]
         for gone in self._texts.keys() - markers:
@@ -238,6 +244,33 @@ class Retention:
             return False
         node = self.ns.index.get_inode(c.ino)
         return node is not None and now_ns - node.ctime_ns < IN_PROGRESS * 1e9
+
+    def _enough_nodes(self, ino: int) -> bool:
+        """With --nodes N (N > 1): whether files of N nodes are in checkpoint `ino`. Without
+        it a marker written here would let retention delete the checkpoint before while the
+        other nodes' parts of this one are not on SHARED yet: were one of them to lose its
+        NVMe then, no whole checkpoint would be left. Walked until it holds (files do not
+        leave a checkpoint that has them all), then remembered."""
+        if self.cfg.nodes <= 1 or ino in self._all_nodes:
+            return True
+        idx = self.ns.index
+        me = self.ns.log.node_id
+        nodes: set[str] = set()
+        stack = [ino]
+        while stack:
+            for _c, _name, child in idx.readdir(stack.pop(), 0):
+                node = idx.get_inode(child)
+                if node is None:
+                    continue
+                if node.is_dir:
+                    stack.append(child)
+                elif stat.S_ISREG(node.mode):
+                    origin = idx.origin(child)
+                    nodes.add(origin["node"] if origin else me)
+                    if len(nodes) >= self.cfg.nodes:
+                        self._all_nodes.add(ino)
+                        return True
+        return False
 
     def _marker_time(self, ino: int) -> int | None:
         """When the checkpoint in directory `ino` was completed: the newest time of its commit

@@ -822,3 +822,30 @@ def test_a_new_nvme_does_not_bring_back_what_another_node_deleted_of_this_ones(
     time.sleep(2 * REFRESH + 1)
     assert not (a.mnt / "step_1").exists(), "the deleted checkpoint came back on A"
     assert set(export_files(a.shared, "", tmp_path / "out")) == {"keep/x", "after.bin"}
+
+
+def test_with_nodes_n_retention_counts_a_checkpoint_complete_once_n_nodes_are_in_it(
+        make_mount: MakeMount) -> None:
+    """--nodes 2 --keep-shared 1 on A: A's marker of step_2 alone does not make step_2
+    complete while B's part of it is not published (else A deleted step_1, on every node,
+    with step_2 not whole anywhere). Once B's shard of step_2 is imported, step_1 goes."""
+    a = start_node(make_mount, "a", "n0", extra=["--nodes", "2", "--keep-shared", "1"])
+    # B seals (and so publishes) only when asked: its part of step_2 stays on B meanwhile
+    b = start_node(make_mount, "b", "n1", shared=a.shared, extra=["--seal-idle", "600"])
+    for step in (1, 2):
+        write_tree(b.mnt, {f"step_{step}/__1_0.distcp": blob(f"b{step}", 200_000)})
+        if step == 1:
+            wait_published(b.mnt)
+            wait_for(lambda: (a.mnt / "step_1" / "__1_0.distcp").exists(), SEEN_WITHIN,
+                     "A to see B's part of step_1")
+        write_tree(a.mnt, {f"step_{step}/__0_0.distcp": blob(f"a{step}", 200_000),
+                           f"step_{step}/.metadata": b"m"})
+    # B's part of step_2 is on B only (not published): A must keep step_1
+    time.sleep(5)  # two retention passes and more
+    assert (a.mnt / "step_1" / "__1_0.distcp").read_bytes() == blob("b1", 200_000)
+    complete = {c["name"]: c["complete"] for c in status(a)["retention"]["checkpoints"]}
+    assert complete == {"step_1": True, "step_2": False}, complete
+    wait_published(b.mnt)
+    wait_for(lambda: not (a.mnt / "step_1").exists(), SEEN_WITHIN + 5,
+             "A's retention to delete step_1 once B's part of step_2 is in")
+    assert (a.mnt / "step_2" / "__1_0.distcp").read_bytes() == blob("b2", 200_000)
