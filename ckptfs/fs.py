@@ -19,7 +19,7 @@ import trio
 
 from ckptfs.errors import FsError, to_errno
 from ckptfs.index import Inode
-from ckptfs.namespace import Namespace
+from ckptfs.namespace import CAPS_XATTR, Namespace
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 # A file handle is the inode number plus what kind of open it came from.
 FH_UNCACHED = 1 << 62  # writes bypass the page cache (direct_io or O_DIRECT)
 FH_UNPRIV = 1 << 61  # direct_io opened by a process other than root
+FH_CAPS = 1 << 60  # direct_io of a file that had file capabilities at open
 FH_INO = (1 << 56) - 1
 ENTRY_TIMEOUT = 5.0
 ATTR_TIMEOUT = 5.0
@@ -205,7 +206,7 @@ class Operations(pyfuse3.Operations):
 
     # --- files ----------------------------------------------------------------------------
 
-    def _fileinfo(self, ino: int, flags: int, uid: int) -> pyfuse3.FileInfo:
+    def _fileinfo(self, ino: int, flags: int, uid: int, new: bool = False) -> pyfuse3.FileInfo:
         """Write-only opens (how checkpoints are written) bypass the page cache: the kernel
         hands our buffers over in max_write requests instead of copying them through its cache
         first (about 2x for a storm of files: PERF-NOTES). Everything else keeps the page
@@ -231,6 +232,10 @@ class Operations(pyfuse3.Operations):
                 # The kernel strips setuid/setgid before a cached or O_DIRECT write by an
                 # unprivileged process, but leaves it to us under direct_io.
                 fh |= FH_UNPRIV
+            if direct and not new and self.ns.index.get_xattr(ino, CAPS_XATTR) is not None:
+                # the same for file capabilities, which any writer removes (xfstests
+                # generic/093: `echo x >> f` left them)
+                fh |= FH_CAPS
         else:
             fi.keep_cache = ino not in self.written_direct
             if not self.uncached_writers.get(ino):
@@ -243,7 +248,7 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-        return self._fileinfo(node.ino, flags, ctx.uid), entry(node)
+        return self._fileinfo(node.ino, flags, ctx.uid, new=True), entry(node)
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
@@ -272,6 +277,11 @@ class Operations(pyfuse3.Operations):
         if cache is not None and not cache.admit(len(buf)):
             await cache.reserve(len(buf))  # backpressure: wait for the drain to make room
         ino = fh & FH_INO
+        if fh & FH_CAPS and self.ns.drop_caps(ino):
+            try:  # its ctime moved
+                pyfuse3.invalidate_inode(ino, True)
+            except OSError:
+                pass
         if fh & FH_UNPRIV and self.ns.drop_setid(ino):
             # What file_remove_privs() does for a cached write (the opener stands in for the
             # writer, whom a write request does not name). The kernel caches the mode and a

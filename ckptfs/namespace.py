@@ -31,6 +31,7 @@ from ckptfs.segment import RecType, Record
 log = logging.getLogger(__name__)
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")  # system.* ACLs: fs.py
 XATTR_LIST_MAX = 65536  # the most listxattr(2) returns
+CAPS_XATTR = b"security.capability"  # file capabilities: a write removes them
 TIME_NS_MIN, TIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # what a record holds (1677 to 2262)
 
 NAME_MAX = 255
@@ -523,6 +524,15 @@ class Namespace:
             self.setattr(ino, mode=mode & ~kill)
             return True
         return False
+
+    def drop_caps(self, ino: int) -> bool:
+        """A write removes the file's file capabilities (security.capability), whoever
+        writes, as the kernel's file_remove_privs() does before a cached write. True if the
+        file had them."""
+        if self.index.get_xattr(ino, CAPS_XATTR) is None:
+            return False
+        self.removexattr(ino, CAPS_XATTR)
+        return True
 
     def _forget_small_writes(self) -> None:
         """Bound the per-file counters (a storm of files with one small write each would

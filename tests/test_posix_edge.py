@@ -1028,3 +1028,36 @@ def test_many_writers_of_unaligned_megabyte_buffers(mount: Mount) -> None:
     for k in range(48):
         assert hashlib.sha256((mount.mnt / f"big{k}").read_bytes()).hexdigest() == want[k]
     assert "Traceback" not in mount.log_tail()
+
+
+def test_a_write_removes_file_capabilities_whoever_writes(mount: Mount) -> None:
+    """As the kernel's file_remove_privs() does before a cached write, any write (root's
+    too) removes security.capability. Write-only opens bypass the kernel's cache (direct_io),
+    where the kernel leaves that to the filesystem: `echo x >> f` kept them (xfstests
+    generic/093)."""
+    import struct
+
+    caps = struct.pack("<IIIII", 0x02000001, 1, 0, 0, 0)  # VFS_CAP_REVISION_2, cap_chown=ep
+    for name, flags in (("append", os.O_WRONLY | os.O_APPEND), ("wronly", os.O_WRONLY),
+                        ("rdwr", os.O_RDWR)):
+        path = mount.mnt / name
+        path.write_bytes(b"data1\n")
+        os.setxattr(path, "security.capability", caps)
+        assert os.getxattr(path, "security.capability") == caps
+        ctime = os.stat(path).st_ctime_ns
+        fd = os.open(path, flags)
+        try:
+            os.pwrite(fd, b"x", 6) if not flags & os.O_APPEND else os.write(fd, b"x")
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as gone:
+            os.getxattr(path, "security.capability")
+        check_errno(gone.value, errno.ENODATA)
+        assert os.stat(path).st_ctime_ns > ctime, name
+        assert path.read_bytes() == b"data1\nx"
+    # a write-only open that writes nothing keeps them
+    path = mount.mnt / "untouched"
+    path.write_bytes(b"d")
+    os.setxattr(path, "security.capability", caps)
+    os.close(os.open(path, os.O_WRONLY))
+    assert os.getxattr(path, "security.capability") == caps
