@@ -370,6 +370,7 @@ class Drain:
         while True:
             while self.yielding:
                 await trio.sleep(0.1)
+            undeleted = False
             for seg, size in list(todo):
                 info = self.index.get_segment(seg)
                 if info is not None and info.data > 0 and info.live == 0:
@@ -377,23 +378,31 @@ class Drain:
                     # deleted its checkpoint while the store was failing): everything it holds
                     # is dead, so no object is made; its records stay on NVMe for replay and
                     # the view
-                    todo.remove((seg, size))
-                    self.in_flight.pop(seg, None)
                     if seg in maybe_there:
                         # an attempt before a crash (or one that failed late) may have
-                        # published it: GC never looks for objects of DROPPED segments
+                        # published it: GC never looks for objects of DROPPED segments, so
+                        # the delete is retried with the batch until it is done
                         try:
                             await trio.to_thread.run_sync(self.store.delete_object, self.node,
                                                           seg, limiter=self._thread_limiter)
                         except (OSError, SharedError) as e:
-                            log.warning("could not remove the object of dropped segment %s: "
-                                        "%s", fmt.segment_name(seg), e)
+                            self._error(f"removing the object of dropped segment "
+                                        f"{fmt.segment_name(seg)}: {e}")
+                            undeleted = True
+                            continue
+                    todo.remove((seg, size))
+                    self.in_flight.pop(seg, None)
                     self.index.set_segment(seg, SegState.DROPPED)
                     self.stats.segments_dropped += 1
                     log.info("dropped segment %s from the drain (%d bytes, all data "
                              "superseded)", fmt.segment_name(seg), size)
             if not todo:
                 return
+            if undeleted:  # the store fails: back off as for a failed upload, then again
+                self.stats.retries += 1
+                await trio.sleep(delay)
+                delay = min(delay * 2, MAX_BACKOFF)
+                continue
             try:
                 n = await trio.to_thread.run_sync(upload, list(todo),
                                                   limiter=self._thread_limiter)

@@ -553,6 +553,35 @@ def immutable(d: Path) -> Iterator[None]:
         run("chattr", "-i", str(d))
 
 
+def test_the_object_of_a_dropped_segment_is_removed_once_the_store_lets_it(
+        make_mount: MakeMount) -> None:
+    """A segment whose upload failed may have its object on SHARED (an attempt that failed
+    after the rename). If its data dies before the next attempt, it is dropped and that object
+    removed; GC never looks for objects of dropped segments, so a removal that fails used to
+    leave the object for good. Now it is retried with the batch. Here the objects are planted
+    (what a late failure leaves) and SHARED's object directory is immutable: uploads and
+    removals fail until it is writable again."""
+    m = start_node(make_mount, "a", "n0", segment_size="1M")
+    objdir = store_root(m.shared) / "objects" / "n0"
+    objdir.mkdir(parents=True, exist_ok=True)
+    planted = [objdir / f"{seg:016x}.seg" for seg in (1, 2)]
+    for p in planted:
+        p.write_bytes(b"left by an attempt that failed late")
+    with immutable(objdir):
+        write_tree(m.mnt, {"a.bin": blob("a", 2_500_000)})
+        wait_for(lambda: status(m)["last_error"], 30, "an upload to fail")
+        os.unlink(m.mnt / "a.bin")
+        time.sleep(3)  # a retry or two meets the dead segments
+        assert all(p.exists() for p in planted)
+    write_tree(m.mnt, {"b.bin": b"b"})
+    wait_published(m.mnt)
+    wait_for(lambda: not any(p.exists() for p in planted), RECOVER_WITHIN,
+             "the dropped segments' objects to be removed")
+    assert status(m)["segments"].get("dropped", 0) >= 2, status(m)["segments"]
+    m.unmount()
+    assert_fsck_clean(m.shared)
+
+
 def test_gc_keeps_what_the_newest_manifest_names_until_a_newer_one_is_out(
         make_mount: MakeMount) -> None:
     """A deleted checkpoint's objects stay on SHARED while the newest manifest there still
