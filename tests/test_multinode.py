@@ -744,7 +744,6 @@ def test_a_store_that_never_answers_for_another_nodes_latest_file_does_not_stop_
     SHARED; a store that does not answer for them (a FIFO in place of the object: opening it
     blocks) used to stop B's whole mount. Now the request thread reads only what is in
     memory and a thread of its own waits for the store."""
-    import select
     import threading
 
     a = start_node(make_mount, "a", "n0")
@@ -785,7 +784,6 @@ def test_a_store_that_never_answers_for_another_nodes_latest_file_does_not_stop_
             unblock()  # let the daemon go on, so that the test can unmount it
         assert answered, "B's mount stopped answering while SHARED did not answer"
         unblock()
-        select.select([], [], [], 0.5)
         t.join(10)
     finally:
         unblock()
