@@ -45,7 +45,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ckptfs.errors import FsError
 from ckptfs.index import ROOT_INO, VSEG_BIT
@@ -253,23 +253,14 @@ class Retention:
         leave a checkpoint that has them all), then remembered."""
         if self.cfg.nodes <= 1 or ino in self._all_nodes:
             return True
-        idx = self.ns.index
         me = self.ns.log.node_id
         nodes: set[str] = set()
-        stack = [ino]
-        while stack:
-            for _c, _name, child in idx.readdir(stack.pop(), 0):
-                node = idx.get_inode(child)
-                if node is None:
-                    continue
-                if node.is_dir:
-                    stack.append(child)
-                elif stat.S_ISREG(node.mode):
-                    origin = idx.origin(child)
-                    nodes.add(origin["node"] if origin else me)
-                    if len(nodes) >= self.cfg.nodes:
-                        self._all_nodes.add(ino)
-                        return True
+        for f in self._files_in(ino):
+            origin = self.ns.index.origin(f)
+            nodes.add(origin["node"] if origin else me)
+            if len(nodes) >= self.cfg.nodes:
+                self._all_nodes.add(ino)
+                return True
         return False
 
     def _marker_time(self, ino: int) -> int | None:
@@ -288,22 +279,23 @@ class Retention:
         return max((node.mtime_ns for child in found
                     if (node := idx.get_inode(child)) is not None), default=None)
 
-    def _segments_of(self, ino: int) -> set[int]:
+    def _files_in(self, ino: int) -> Iterator[int]:
+        """The regular files anywhere below directory `ino`."""
         idx = self.ns.index
-        segs: set[int] = set()
         stack = [ino]
         while stack:
-            d = stack.pop()
-            for _c, _name, child in idx.readdir(d, 0):
+            for _c, _name, child in idx.readdir(stack.pop(), 0):
                 node = idx.get_inode(child)
                 if node is None:
                     continue
                 if node.is_dir:
                     stack.append(child)
                 elif stat.S_ISREG(node.mode):
-                    segs.update(e.seg for e in idx.iter_extents(child)
-                                if not e.seg & VSEG_BIT)
-        return segs
+                    yield child
+
+    def _segments_of(self, ino: int) -> set[int]:
+        return {e.seg for f in self._files_in(ino) for e in self.ns.index.iter_extents(f)
+                if not e.seg & VSEG_BIT}
 
     # --- the pass ---------------------------------------------------------------------------
 
