@@ -277,13 +277,10 @@ class Operations(pyfuse3.Operations):
         if cache is not None and not cache.admit(len(buf)):
             await cache.reserve(len(buf))  # backpressure: wait for the drain to make room
         ino = fh & FH_INO
-        if fh & FH_CAPS and self.ns.drop_caps(ino):
-            try:  # its ctime moved
-                pyfuse3.invalidate_inode(ino, True)
-            except OSError:
-                pass
-        if fh & FH_UNPRIV and self.ns.drop_setid(ino):
-            # What file_remove_privs() does for a cached write (the opener stands in for the
+        caps = bool(fh & FH_CAPS) and self.ns.drop_caps(ino)
+        if (fh & FH_UNPRIV and self.ns.drop_setid(ino)) or caps:
+            # What file_remove_privs() does for a cached write: file capabilities go whoever
+            # writes, setuid/setgid for an unprivileged writer (the opener stands in for the
             # writer, whom a write request does not name). The kernel caches the mode and a
             # direct write marks only size and times stale: drop its copy now, before the
             # reply (attributes only, which takes no page or inode locks).
