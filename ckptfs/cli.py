@@ -231,8 +231,9 @@ def cmd_wait(a: argparse.Namespace) -> int:
 
 
 def _wait_all_nodes(a: argparse.Namespace) -> None:
-    """After our own part is published: until N nodes published parts of the checkpoint and
-    its marker is there (read from SHARED, like any other node would)."""
+    """After our own part is published: until N nodes' manifests say their own `wait` of
+    the checkpoint (or of a directory above it) began, so each has published all it wrote
+    there, and its marker is there (read from SHARED, like any other node would)."""
     from ckptfs import api
     from ckptfs.export import checkpoints, merged_view, top_marker_targets
     from ckptfs.retention import checkpoint_of
@@ -268,12 +269,12 @@ def _wait_all_nodes(a: argparse.Namespace) -> None:
         except TimeoutError:
             raise CliError(f"{a.path}: timed out waiting for all nodes (still reading the "
                            f"shared store: a hung NAS?)") from None
-        if c is not None and c.complete:
+        if c is not None and c.marker and len(c.waited) >= need:
             return
         if deadline is not None and time.monotonic() > deadline:
-            have = len(c.nodes) if c else 0
+            have = len(c.waited) if c else 0
             raise CliError(f"{a.path}: timed out waiting for all nodes ({have}/{need} "
-                           f"published, marker {'yes' if c and c.marker else 'no'})")
+                           f"nodes' waits published, marker {'yes' if c and c.marker else 'no'})")
         time.sleep(1.0)
 
 

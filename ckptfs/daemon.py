@@ -207,6 +207,8 @@ class Daemon:
         self.fsync_count = 0
         self.fsync_seconds = 0.0
         self.metrics = None
+        # (directory, log sequence after it) of the last wait's WAITED record (_waited)
+        self._last_waited: tuple[int, int] = (0, -1)
 
     def prepare(self) -> None:
         """Everything that can fail with a clear message, before the mount exists."""
@@ -647,13 +649,15 @@ class Daemon:
         if op in ("wait", "drain"):
             timeout = req.get("timeout")
             rel = req.get("path", "")
-            if rel:
-                self._resolve(rel)
+            ino = self._resolve(rel)
             if self.cfg.read_only:  # everything here came from SHARED: published already
                 return {"published_seq": self.drain.manifest_seq}
+            vouch = op == "wait" and await self._waited(ino)
             target = self.seglog.seq
             if self.seglog.has_records():
                 self.ns.seal("wait")
+            if vouch:
+                self._last_waited = (ino, self.seglog.seq)
             if target > self.drain.manifest_seq:
                 await self.drain.wait_seq(target, timeout, progress)
             return {"published_seq": self.drain.manifest_seq}
@@ -673,6 +677,23 @@ class Daemon:
             n = await self.refresher.refresh()
             return {"changes": n}
         raise ValueError(f"unknown control request {op!r}")
+
+    async def _waited(self, ino: int) -> bool:
+        """A WAITED record for a directory whose `wait` begins: once published, it tells other
+        nodes' `wait --all-nodes` that all this node wrote under it before now is published
+        too (docs/operations.md, "Multi-node checkpoints"). Not again when nothing was logged
+        since the last one for it. False if none was written."""
+        node = self.index.get_inode(ino)
+        if node is None or not node.is_dir or self._last_waited == (ino, self.seglog.seq):
+            return False
+        await self.ns.log.unqueue()  # a record the log does not queue (fs.unqueued)
+        try:
+            self.ns.waited(ino)
+        except (FsError, OSError) as e:  # a full disk: the wait itself goes on
+            log.warning("cannot log the wait for inode %d (other nodes' wait --all-nodes "
+                        "will not count this node for it yet): %s", ino, e)
+            return False
+        return True
 
     def _resolve(self, rel: str) -> int:
         """The inode at a path relative to the mount root (ENOENT -> ValueError)."""

@@ -12,7 +12,7 @@ import itertools
 import os
 import shutil
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ckptfs import manifest
@@ -265,6 +265,9 @@ class CheckpointSummary:
     marker: bool
     complete: bool
     tiers: list[str]
+    # nodes whose newest manifest says their `ckptfs wait` of it (or of a directory above it)
+    # began: all they wrote under it before then is published (`wait --all-nodes`)
+    waited: list[str] = field(default_factory=list)
 
 
 def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
@@ -301,6 +304,10 @@ def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
     for name in named:
         if name in out:
             out[name].marker = True
+    for node, m in sorted(view.manifests.items()):
+        for c in out.values():
+            if any(p == "" or c.name == p or c.name.startswith(p + "/") for p, _t in m.waited):
+                c.waited.append(node)
     for c in out.values():
         c.complete = c.marker and len(c.nodes) >= max(1, nodes_required)
     return sorted(out.values(), key=lambda c: _natural(c.name))

@@ -61,6 +61,8 @@ CHUNK = struct.Struct("<QQI")
 
 ROOT_INO = 1
 VSEG_BIT = 1 << 63
+WAITED_KEY = b"waited/"  # + u64 directory inode in `meta`: when its last `ckptfs wait` began
+MAX_WAITED = 64  # directories remembered so; older ones are forgotten
 
 
 def read_applied(path: str) -> tuple[int, int, int] | None:
@@ -487,6 +489,8 @@ class Index:
             else:
                 self.txn.put(key, json.dumps([body["mtime_ns"], body["size"],
                                               int(body.get("dir", 0))]).encode(), db=self.gone)
+        elif t == RecType.WAITED:
+            self._apply_waited(rec)
         elif t == RecType.TIER:
             body = json.loads(bytes(rec.payload))
             info = self.get_segment(int(body["seg"]))
@@ -625,6 +629,29 @@ class Index:
                 path, node = bytes(k).split(b"\0", 1)
                 m, size, d = json.loads(bytes(v))
                 yield os.fsdecode(path), node.decode(), m, size, bool(d)
+
+    # `ckptfs wait` of a directory: when it began (WAITED records), kept in `meta` under
+    # WAITED_KEY + inode; the manifest names them by path (other nodes' `wait --all-nodes`)
+
+    def _apply_waited(self, rec: Record) -> None:
+        self.txn.put(WAITED_KEY + U64.pack(rec.ino), U64.pack(rec.time_ns), db=self.meta)
+        have = [(t, ino) for ino, t in self.iter_waited()]
+        # deterministic, and bounded: those of directories that are gone, then the oldest
+        stale = [(t, ino) for t, ino in have
+                 if ino != ROOT_INO and self.get_inode(ino) is None]
+        keep = sorted(set(have) - set(stale))
+        stale += keep[:max(0, len(keep) - MAX_WAITED)]
+        for _t, ino in stale:
+            self.txn.delete(WAITED_KEY + U64.pack(ino), db=self.meta)
+
+    def iter_waited(self) -> Iterator[tuple[int, int]]:
+        """(directory inode, time_ns its last `ckptfs wait` began)."""
+        with self.txn.cursor(db=self.meta) as cur:
+            if cur.set_range(WAITED_KEY):
+                for k, v in cur:
+                    if not k.startswith(WAITED_KEY):
+                        break
+                    yield U64.unpack(k[len(WAITED_KEY):])[0], U64.unpack(v)[0]
 
     def _clear_origin(self, ino: int) -> None:
         self.txn.delete(k_ino(ino), db=self.origins)

@@ -111,6 +111,9 @@ class Manifest:
     # other nodes' entries deleted or renamed away on this node: (path, node, mtime_ns, size,
     # is a directory); that node removes its version, readers hide it meanwhile
     gone: list[tuple[str, str, int, int, bool]] = field(default_factory=list)
+    # (directory path, "" for the root; time_ns): this node's `ckptfs wait` of it began then,
+    # and what the node wrote under it before that is in this manifest
+    waited: list[tuple[str, int]] = field(default_factory=list)
 
     def tier(self, obj: str) -> str:
         info = self.objects.get(obj)
@@ -137,14 +140,18 @@ def split_obj(obj: str) -> tuple[str, int]:
     return node, int(seg, 16)
 
 
-def walk(index: Index, skip_foreign_of: str | None = None) -> Iterator[tuple[str, Any]]:
+def walk(index: Index, skip_foreign_of: str | None = None,
+         dir_paths: dict[int, str] | None = None) -> Iterator[tuple[str, Any]]:
     """(relative path, inode) for everything reachable from the root, depth first; a
     directory always comes before what is in it.
 
     With skip_foreign_of=NODE, what a refresh imported from other nodes is left out: files
     (not modified here since) and symlinks are those nodes' to publish, and a directory made
     for another node's entries comes only with the first thing of this node's under it. So
-    a directory or symlink that its node deletes is not published again from here."""
+    a directory or symlink that its node deletes is not published again from here.
+
+    dir_paths: for each directory inode in it, set to the directory's path when the walk
+    reaches it, given out or not."""
     # a stack entry: (directory inode, its path + "/", the chain of directories above it
     # not given out yet: [path, inode, given out?] from the root down)
     stack: list[tuple[int, str, list[list]]] = [(ROOT_INO, "", [])]
@@ -160,6 +167,8 @@ def walk(index: Index, skip_foreign_of: str | None = None) -> Iterator[tuple[str
                 origin = index.origin(child)
                 foreign = origin is not None and origin.get("node") != skip_foreign_of
             if node.is_dir:
+                if dir_paths is not None and child in dir_paths:
+                    dir_paths[child] = path
                 if foreign:
                     stack.append((child, path + "/", [*held, [path, node, False]]))
                     continue
@@ -224,7 +233,9 @@ def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_n
     used: set[str] = set()
     names: dict[int, str] = {}  # this node's segment -> object name
     sep = ""
-    for path, ino in walk(index, skip_foreign_of=node):
+    waited = dict(index.iter_waited())
+    dir_paths = {ino: "" for ino in waited} if waited else None
+    for path, ino in walk(index, skip_foreign_of=node, dir_paths=dir_paths):
         e: dict[str, Any] = {"path": path, "mode": ino.mode & 0o7777, "uid": ino.uid,
                              "gid": ino.gid, "size": ino.size, "mtime_ns": ino.mtime_ns}
         if ino.is_dir:
@@ -260,7 +271,11 @@ def build(index: Index, node: str, seq: int, objects: dict[str, dict], created_n
             xsep = ","
         w.add("]}")
     gone = [list(g) for g in index.iter_gone()]
-    w.add('],"gone":' + _json(gone) + ',"objects":'
+    # directories whose `ckptfs wait` began at t: everything this node wrote under them
+    # before t is in this manifest (the root's path is "", reached without a walk)
+    reached = {ino: p for ino, p in (dir_paths or {}).items() if p or ino == ROOT_INO}
+    waits = sorted([reached[ino], t] for ino, t in waited.items() if ino in reached)
+    w.add('],"gone":' + _json(gone) + ',"waited":' + _json(waits) + ',"objects":'
           + _json({o: objects.get(o, {}) for o in sorted(used)}) + "}")
     raw = w.finish()
     return MAGIC + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)) + raw
@@ -426,9 +441,17 @@ def parse(data: bytes, where: str = "manifest", entries: bool = True) -> Manifes
                 raise ManifestError(f"bad gone entry {g!r}")
             tombs.append((_check_path(g[0]), g[1], _int(g[2], "gone mtime", -(1 << 63)),
                           _int(g[3], "gone size"), bool(g[4])))
+        waited = body.get("waited", [])
+        if not isinstance(waited, list):
+            raise ManifestError("bad waited list")
+        waits: list[tuple[str, int]] = []
+        for w in waited:
+            if not isinstance(w, list) or len(w) != 2:
+                raise ManifestError(f"bad waited entry {w!r}")
+            waits.append((_check_path(w[0]) if w[0] != "" else "", _int(w[1], "waited time")))
         return Manifest(node, _int(body.get("seq", 0), "seq"),
                         _int(body.get("created_ns", 0), "created_ns"), objects, listed, cold,
-                        tombs)
+                        tombs, waits)
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}") from None
     except (ValueError, TypeError, zlib.error, struct.error, KeyError, OverflowError) as e:

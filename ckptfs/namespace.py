@@ -307,6 +307,11 @@ class Namespace:
         self._maybe_purge(child)
         self.record_gone(gone)
 
+    def waited(self, ino: int) -> None:
+        """A WAITED record: `ckptfs wait` of directory `ino` begins now (it changes nothing in
+        the namespace; the node's manifest says so, for other nodes' `wait --all-nodes`)."""
+        self.record(RecType.WAITED, ino, 0)
+
     def record_gone(self, gone: list[dict]) -> None:
         """GONE records for these bodies. A delete or rename writes its tombstones once it is
         in the log itself: a failed rename must not have other nodes delete what is still

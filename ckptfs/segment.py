@@ -75,10 +75,13 @@ class RecType:
     GONE = 15  # payload = JSON {"path", "node", "mtime_ns", "size", "dir"}: another node's
     #            entry was deleted or renamed away here (a tombstone this node publishes),
     #            or {"path", "node", "drop": 1}: that tombstone is done with
+    WAITED = 16  # ino = a directory; payload empty: `ckptfs wait` for it began at time_ns, so
+    #              all this node wrote under it before then is in this or earlier records
+
 
     NAMES = {1: "WRITE", 2: "CREATE", 3: "UNLINK", 4: "RENAME", 5: "SETATTR", 6: "SEAL",
              7: "PURGE", 8: "XATTR", 9: "IMPORT", 10: "RELOC", 11: "REF", 12: "TIER",
-             13: "LINK", 14: "PAD", 15: "GONE"}
+             13: "LINK", 14: "PAD", 15: "GONE", 16: "WAITED"}
 
 
 DATA_TYPES = frozenset({RecType.WRITE, RecType.RELOC})

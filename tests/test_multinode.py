@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -680,18 +681,59 @@ def test_a_read_only_node_reads_what_others_publish_from_a_read_only_store(
 def test_wait_all_nodes_returns_once_every_node_published_and_the_marker_is_out(
         make_mount: MakeMount) -> None:
     """`wait --all-nodes N`: a checkpoint counts as saved on SHARED only when N nodes have
-    published files under it and its commit marker is published (read from SHARED as any
-    node would). Before that it times out saying how far it got."""
+    published their own wait of it and its commit marker is published (read from SHARED as
+    any node would). Before that it times out saying how far it got."""
     a, b = two_nodes(make_mount)
     write_tree(a.mnt, {"step_1/__0_0.distcp": blob("w0", 200_000)})
     write_tree(a.mnt, {"step_1/.metadata": b"meta"})  # rank 0's marker, last on its node
     res = cli("wait", a.mnt / "step_1", "--all-nodes", "2", "--timeout", "4", check=False)
-    assert res.returncode == 1 and "1/2 published, marker yes" in res.stderr, res.stderr
+    assert res.returncode == 1 and "1/2 nodes' waits published, marker yes" in res.stderr, \
+        res.stderr
     write_tree(b.mnt, {"step_1/__1_0.distcp": blob("w1", 200_000)})
     wait_published(b.mnt / "step_1")
     cli("wait", a.mnt / "step_1", "--all-nodes", "2", "--timeout", "30")
     res = cli("wait", b.mnt / "step_1", "--all-nodes", "3", "--timeout", "3", check=False)
-    assert res.returncode == 1 and "2/3 published" in res.stderr, res.stderr
+    assert res.returncode == 1 and "2/3 nodes' waits published" in res.stderr, res.stderr
+
+
+def test_wait_all_nodes_does_not_count_a_node_whose_shard_is_published_in_part(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """A node's manifest lists its log up to its last published segment, so it can list the
+    first part of a shard whose tail is still in the node's unsealed segment. `wait
+    --all-nodes` used to count such a node (it has files under the checkpoint) and return
+    with the shard published in part; now a node counts once its own `wait` of the
+    checkpoint is published (a WAITED record, written when that wait begins)."""
+    a = start_node(make_mount, "a", "n0")
+    # nothing of b's is sealed unless a wait asks for it
+    b = start_node(make_mount, "b", "n1", shared=a.shared, extra=("--seal-idle", "3600"))
+    write_tree(a.mnt, {"step_1/__0_0.distcp": blob("p0", 200_000),
+                       "step_1/.metadata": b"meta"})
+    head, tail = blob("p1", 300_000), blob("p1-tail", 100_000)
+    write_tree(b.mnt, {"step_1/__1_0.distcp": head, "other/x": b"x"})
+    wait_published(b.mnt / "other")  # seals b's log: step_1's head is published with it
+    with open(b.mnt / "step_1/__1_0.distcp", "ab") as f:
+        f.write(tail)
+    res = cli("wait", a.mnt / "step_1", "--all-nodes", "2", "--timeout", "4", check=False)
+    assert res.returncode == 1 and "1/2 nodes' waits published, marker yes" in res.stderr, \
+        f"counted a node whose shard is published in part: {res.returncode} {res.stderr}"
+    assert export_files(a.shared, "step_1", tmp_path / "early")["__1_0.distcp"] == head
+    wait_published(b.mnt / "step_1")
+    cli("wait", a.mnt / "step_1", "--all-nodes", "2", "--timeout", "30")
+    got = export_files(a.shared, "step_1", tmp_path / "out")
+    assert got["__1_0.distcp"] == head + tail
+    assert got["__0_0.distcp"] == blob("p0", 200_000)
+    # a wait with nothing logged since the last one of the same directory logs nothing (a
+    # script that polls `ckptfs wait` makes no segment, object or manifest per call)
+    wait_published(b.mnt / "step_1")
+    st = status(b)
+    wait_published(b.mnt / "step_1")
+    assert (status(b)["log_seq"], status(b)["segments_uploaded"]) == \
+        (st["log_seq"], st["segments_uploaded"])
+    # a wait of a directory above a checkpoint vouches for it too
+    write_tree(a.mnt, {"step_2/__0_0.distcp": b"2"})
+    wait_published(a.mnt)
+    listed = {c["name"]: c["waited"] for c in json.loads(cli("ls", a.shared, "--json").stdout)}
+    assert listed == {"step_1": ["n0", "n1"], "step_2": ["n0"]}, listed
 
 
 def test_directory_and_symlink_mtimes_reach_other_nodes_and_export(make_mount: MakeMount,
