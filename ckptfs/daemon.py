@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import lmdb
 import pyfuse3
 import trio
 
@@ -183,14 +184,27 @@ def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = F
     A full replay starts from the newest index snapshot if there is one (segments before it
     may have been garbage collected) and from the first segment otherwise."""
     from_snapshot = False
+    index_dir = os.path.join(nvme, layout.INDEX_DIR)
     if full_replay:
         from ckptfs.gc import restore_snapshot
 
-        from_snapshot = restore_snapshot(nvme, os.path.join(nvme, layout.INDEX_DIR))
-    index = Index(os.path.join(nvme, layout.INDEX_DIR))
+        from_snapshot = restore_snapshot(nvme, index_dir)
+        if not from_snapshot:  # rebuilt from the log whole: nothing of the old one is read,
+            shutil.rmtree(index_dir, ignore_errors=True)  # so damage in it cannot stop us
+    try:
+        index = Index(index_dir)
+    except lmdb.Error as e:
+        raise CliError(f"the index {index_dir} cannot be read ({type(e).__name__}: {e}); "
+                       + ("its snapshot is damaged too" if from_snapshot else
+                          f"rebuild it from the log with `ckptfs replay {nvme}`")) from None
     seglog = SegmentLog(os.path.join(nvme, layout.SEGMENT_DIR), node_id, segment_size)
-    rep = replay(index, seglog, full=full_replay and not from_snapshot, store=store,
-                 node=node_id, first_seg=first_seg)
+    try:
+        rep = replay(index, seglog, full=full_replay and not from_snapshot, store=store,
+                     node=node_id, first_seg=first_seg)
+    except lmdb.Error as e:  # a damaged page met on the way
+        seglog.close()
+        raise CliError(f"the index {index_dir} is damaged ({type(e).__name__}: {e}); "
+                       f"rebuild it from the log with `ckptfs replay {nvme}`") from None
     rep.from_snapshot = from_snapshot
     if from_snapshot and store is not None:
         from ckptfs.recovery import reconcile_snapshot
@@ -217,7 +231,8 @@ class Daemon:
         # a store that goes silent after that is _give_up_on_a_silent_store's
         for what, d in (("NVME", cfg.nvme), ("MOUNTPOINT", cfg.mountpoint)):
             if not os.path.isdir(d):
-                raise CliError(f"{what} directory {d} does not exist")
+                raise CliError(f"{what} {d} is not a directory" if os.path.exists(d) else
+                               f"{what} directory {d} does not exist")
         if not os.path.exists("/dev/fuse"):
             raise CliError("/dev/fuse is missing: load the fuse module or run the container "
                            "with --device /dev/fuse")
@@ -510,10 +525,26 @@ class Daemon:
 
     async def _gc_loop(self) -> None:
         while True:
-            await trio.sleep(self.gc.interval)
+            # every second while writers wait for local space: the unpublished data of files
+            # deleted meanwhile (DROPPED segments) leaves NVMe only through GC
+            slept = 0.0
+            while slept < self.gc.interval and self.cache.state != "full":
+                await trio.sleep(1.0)
+                slept += 1.0
+            if self.cache.state == "full":
+                await trio.sleep(1.0)
+                # segments the index has all dead wait for the view to apply the records that
+                # killed them; those may sit in the active segment, which a writer that keeps
+                # retrying never lets go idle
+                if self.seglog.has_records() and self.gc.dead_beyond_view():
+                    try:
+                        self.ns.seal("space")
+                    except OSError as e:
+                        log.error("sealing the active segment to free space failed: %s", e)
             try:
                 await self.gc.collect()
-                await self.gc.compact(self.ns)
+                if self.cache.state != "full":  # compaction writes: not into a full disk
+                    await self.gc.compact(self.ns)
             except Exception:
                 log.exception("garbage collection failed; will try again")
 

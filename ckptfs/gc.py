@@ -39,6 +39,9 @@ SNAPSHOT_DIR = "snapshot"
 # on a store: SHARED or the cold tier (the names a node's NVMe-less mount numbers after)
 STORED = (SegState.PUBLISHED, SegState.EVICTED, SegState.COLD)
 DEAD_STATES = (*STORED, SegState.DROPPED)
+# objects of this node from before its NVMe was lost are looked for every this many passes
+# (a scan of every extent of the index and of the published view)
+OLD_OBJECTS_EVERY = 8
 
 
 @dataclass
@@ -102,6 +105,9 @@ class Collector:
         self.interval = interval
         self.compact_below = compact_below
         self.first_dead: dict[int, float] = {}
+        # this node's objects from before its NVMe was lost: since when unused, and deleted
+        self.old_first_dead: dict[int, float] = {}
+        self.old_deleted: set[int] = set()
         # node -> (seq of its newest manifest, this node's segment ids that it references)
         self._refs: dict[str, tuple[int, set[str]]] = {}
         self.cold: Any = None  # the cold tier's store, if any
@@ -147,6 +153,17 @@ class Collector:
                 out.append((seg, i.state, i.size))
         return [r for r in out if r[0] != top]
 
+    def dead_beyond_view(self) -> bool:
+        """Whether a sealed segment that held data is all dead in the live index but not yet
+        behind the published view (so not yet something dead_segments can give)."""
+        pub_seg = self.drain.pub.applied[0]
+        for seg, i in self.index.iter_segments():
+            if seg & VSEG_BIT:
+                break
+            if seg >= pub_seg and i.state != SegState.ACTIVE and i.data > 0 and i.live == 0:
+                return True
+        return False
+
     async def collect(self, force: bool = False) -> int:
         self.stats.runs += 1
         self.skipped = ""
@@ -166,9 +183,10 @@ class Collector:
         # object stays until a manifest without it is on SHARED, and its grace starts then.
         if not await self._view_published(force):
             return 0
+        old = await self._collect_old(force)
         dead = self.dead_segments()
         if not dead:
-            return 0
+            return old
         pub_live = await self.drain.in_pub(lambda: {s: i.live for s, i in
                                                     self.drain.pub.iter_segments()})
         if not await self._view_published(force):  # the view moved on meanwhile
@@ -177,21 +195,19 @@ class Collector:
         dead = [r for r in dead if pub_live.get(r[0], 0) == 0]
         for seg, _st, _size in dead:
             self.first_dead.setdefault(seg, now)
+        # the grace lets other nodes that imported a published segment's ranges refresh; a
+        # DROPPED one was never in a manifest (its data died before its upload), and its
+        # local file may be what a writer waits for on a full NVMe
         ripe = [(seg, st, size) for seg, st, size in dead
-                if force or now - self.first_dead[seg] >= self.grace]
+                if force or st == SegState.DROPPED or now - self.first_dead[seg] >= self.grace]
         if not ripe:
-            return 0
-        try:
-            refs = await trio.to_thread.run_sync(self._referenced_elsewhere)
-        except OSError as e:
-            self.skipped = f"cannot list the nodes' manifests on SHARED: {e}"
-            log.warning("gc: skipped, %s", self.skipped)
-            return 0
+            return old
+        refs = await self._others_refs()
         if refs is None:
-            return 0
+            return old
         ripe = [r for r in ripe if fmt.segment_name(r[0])[:16] not in refs]
         if not ripe:
-            return 0
+            return old
         # replay must never need what we are about to delete
         if max(seg for seg, _s, _z in ripe) >= self.snapshot_seg:
             await self.commit()
@@ -232,7 +248,68 @@ class Collector:
         segs = [seg for seg, _s, _z in ripe]
         await self.drain.in_pub(lambda: [self.drain.pub.drop_segment(s) for s in segs])
         await self.commit()
-        return len(ripe)
+        return len(ripe) + old
+
+    async def _others_refs(self) -> set[str] | None:
+        try:
+            return await trio.to_thread.run_sync(self._referenced_elsewhere)
+        except OSError as e:
+            self.skipped = f"cannot list the nodes' manifests on SHARED: {e}"
+            log.warning("gc: skipped, %s", self.skipped)
+            return None
+
+    async def _collect_old(self, force: bool) -> int:
+        """Delete objects this node published before its NVMe was lost once nothing uses them.
+
+        This NVME's first mount imported them (IMPORT records naming them: no segment of
+        this log stands for them, so dead_segments never sees them). One goes when no extent
+        names it in the index or in the published view (whose manifest is on SHARED: the
+        caller checked), nor does another node's newest manifest, for the grace period; and
+        never the highest-numbered object on the stores (dead_segments says why). Replay does
+        not need them: an IMPORT record is replayed with its file's later deletion."""
+        old = {seg: vseg for vseg, node, seg in self.index.iter_objrefs()
+               if node == self.node and seg not in self.old_deleted}
+        if not old or not (force or self.stats.runs % OLD_OBJECTS_EVERY == 1):
+            return 0
+        live = await trio.to_thread.run_sync(self.index.named_vsegs)
+
+        def published() -> set[int]:
+            pub = self.drain.pub
+            refs = (pub.objref(v) for v in pub.named_vsegs())
+            return {ref[1] for ref in refs if ref is not None and ref[0] == self.node}
+
+        in_view = await self.drain.in_pub(published)
+        stored = [seg for seg, i in self.index.iter_segments()
+                  if not seg & VSEG_BIT and i.state in STORED]
+        top = max([*stored, *old])
+        unused = {seg for seg, vseg in old.items()
+                  if vseg not in live and seg not in in_view and seg != top}
+        now = time.monotonic()
+        for seg in set(self.old_first_dead) - unused:  # named again (an import), or deleted
+            del self.old_first_dead[seg]
+        for seg in unused:
+            self.old_first_dead.setdefault(seg, now)
+        ripe = sorted(seg for seg in unused
+                      if force or now - self.old_first_dead[seg] >= self.grace)
+        if not ripe:
+            return 0
+        refs = await self._others_refs()
+        if refs is None:
+            return 0
+        n = 0
+        for seg in ripe:
+            if fmt.segment_name(seg)[:16] in refs:
+                continue
+            await trio.to_thread.run_sync(self.store.delete_object, self.node, seg)
+            if self.cold is not None:  # it may have been moved there before the loss
+                await trio.to_thread.run_sync(self.cold.delete_object, self.node, seg)
+            self.old_deleted.add(seg)
+            self.old_first_dead.pop(seg, None)
+            self.stats.objects_deleted += 1
+            n += 1
+            log.info("gc: deleted object %s/%s (published before this NVME directory, no "
+                     "longer used)", self.node, fmt.segment_name(seg)[:16])
+        return n
 
     async def _view_published(self, force: bool) -> bool:
         """Whether the newest manifest covers the whole published view (`force`, for

@@ -597,6 +597,24 @@ class Index:
         self.txn.put(U64.pack(vseg), key, db=self.objrefs)
         return vseg
 
+    def iter_objrefs(self) -> Iterator[tuple[int, str, int]]:
+        """(vseg id, node, segment id) of every published object an import named."""
+        with self.txn.cursor(db=self.objrefs) as c:
+            for k, v in c:
+                node, seg = bytes(v).decode().rsplit("/", 1)
+                yield U64.unpack(k)[0], node, int(seg, 16)
+
+    def named_vsegs(self) -> set[int]:
+        """The vseg ids some extent names, as of the last commit: read in a transaction of its
+        own, so any thread may call it while another one writes (a full scan of `extents`)."""
+        out: set[int] = set()
+        with self.env.begin(db=self.extents, buffers=True) as txn:
+            for v in txn.cursor().iternext(keys=False):
+                seg = int.from_bytes(v[:8], "little")  # EXTENT's first field
+                if seg & VSEG_BIT:
+                    out.add(seg)
+        return out
+
     def objref(self, vseg: int) -> tuple[str, int] | None:
         raw = self.txn.get(U64.pack(vseg), db=self.objrefs)
         if raw is None:

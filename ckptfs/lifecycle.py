@@ -106,9 +106,18 @@ def check_mountpoint(mnt: str) -> None:
             raise CliError(f"{mnt} is a dead mount and could not be cleaned up "
                            f"(try: fusermount3 -uz {mnt})")
     if not os.path.isdir(mnt):
-        raise CliError(f"MOUNTPOINT directory {mnt} does not exist")
+        raise CliError(f"MOUNTPOINT {mnt} is not a directory" if os.path.exists(mnt) else
+                       f"MOUNTPOINT directory {mnt} does not exist")
     if os.path.ismount(mnt):
         raise CliError(f"{mnt} is already a mount point")
+    try:
+        hidden = len(os.listdir(mnt))
+    except OSError:
+        hidden = 0
+    if hidden:  # as mount(8) does it; they come back at the unmount
+        print(f"ckptfs: warning: {mnt} is not empty: its {hidden} entries are hidden while "
+              f"ckptfs is mounted there (they are not in ckptfs, nor published)",
+              file=sys.stderr)
 
 
 def _recorded_node(nvme: str) -> str | None:
@@ -168,7 +177,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
     nvme, mnt = os.path.abspath(a.nvme), layout.mount_path(a.mountpoint)
     shared = a.shared if a.shared.startswith("s3://") else os.path.abspath(a.shared)
     if not os.path.isdir(nvme):
-        raise CliError(f"NVME directory {nvme} does not exist")
+        raise CliError(f"NVME {nvme} is not a directory" if os.path.exists(nvme) else
+                       f"NVME directory {nvme} does not exist")
     if not os.access(nvme, os.W_OK):
         why = ("a read-only filesystem" if os.statvfs(nvme).f_flag & os.ST_RDONLY
                else "permission denied")

@@ -97,6 +97,32 @@ def test_mount_with_a_missing_directory(cli_cleanup: Path, missing: str, foregro
     wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
 
 
+@pytest.mark.parametrize("which", ["nvme", "mnt"])
+def test_mount_with_a_file_where_a_directory_belongs(cli_cleanup: Path, which: str) -> None:
+    """Said as it is: it used to say that the directory does not exist."""
+    root = cli_cleanup
+    paths = {n: root / n for n in ("nvme", "shared", "mnt")}
+    dirs(root, *(n for n in paths if n != which))
+    paths[which].write_text("a file")
+    line = assert_error_line(run_cli("mount", *paths.values(), timeout=60), "not a directory")
+    assert str(paths[which]) in line, line
+    assert fuse_mounts_under(root) == []
+
+
+def test_a_mount_over_a_non_empty_directory_says_what_it_hides(cli_cleanup: Path) -> None:
+    nvme, shared, mnt = dirs(cli_cleanup, "nvme", "shared", "mnt")
+    (mnt / "old_checkpoint").write_text("before")
+    res = run_cli("mount", nvme, shared, mnt, timeout=60)
+    assert res.rc == 0, str(res)
+    try:
+        assert "warning" in res.err and "not empty" in res.err and "1 entries" in res.err, \
+            str(res)
+        assert os.listdir(mnt) == []
+    finally:
+        assert run_cli("umount", mnt, timeout=120).rc == 0
+    assert (mnt / "old_checkpoint").read_text() == "before"
+
+
 @pytest.mark.parametrize("foreground", [False, True], ids=["daemon", "foreground"])
 def test_mount_on_a_read_only_nvme(cli_cleanup: Path, foreground: bool) -> None:
     """One line naming NVME and why, not `mount failed: ckptfs: error: NVME/ckptfs.log: ...`
@@ -335,6 +361,24 @@ def test_replay_on_an_nvme_locked_by_a_live_daemon(mount: Mount, json_flag: bool
     assert (mount.mnt / "f").read_bytes() == b"live"
     mount.remount()
     assert (mount.mnt / "f").read_bytes() == b"live"
+
+
+def test_replay_rebuilds_a_damaged_index_which_a_mount_names(mount: Mount) -> None:
+    """The index (NVME/index/data.mdb) damaged: the mount fails with one line that names the
+    fix, and `ckptfs replay`, that fix, rebuilds it from the log (it died with a traceback
+    opening the damaged index it was about to rebuild anyway)."""
+    (mount.mnt / "d").mkdir()
+    (mount.mnt / "d/f").write_bytes(b"kept" * 1000)
+    mount.unmount()
+    with open(mount.nvme / "index" / "data.mdb", "r+b") as f:
+        f.write(os.urandom(8192))
+    res = run_cli("mount", mount.nvme, mount.shared, mount.mnt, timeout=60)
+    assert_error_line(res, "index", "ckptfs replay")
+    assert not is_mounted(mount.mnt)
+    res = run_cli("replay", mount.nvme)
+    assert res.rc == 0 and "Traceback" not in res.err, str(res)
+    mount.start()
+    assert (mount.mnt / "d/f").read_bytes() == b"kept" * 1000
 
 
 def test_replay_of_a_missing_nvme(tmp_path: Path) -> None:

@@ -652,6 +652,42 @@ def test_gc_keeps_the_top_object_so_a_new_nvme_never_reuses_an_object_name(
     assert_fsck_clean(m.shared)
 
 
+def test_gc_deletes_what_a_node_published_before_its_nvme_was_lost_once_unused(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """A new NVME directory for a node imports the node's published files: their objects are
+    named by IMPORT records, not by segments of the new log, and GC, which looked only at
+    its log's segments, never deleted them once those files were deleted (SHARED grew by
+    every checkpoint a node had published before a lost NVMe). Now an object of before goes
+    once no file names it; one still in use, and the node's highest-numbered, stay."""
+    m = start_node(make_mount, "a", "n0", extra=["--gc-grace", "0"], segment_size="1M")
+    write_tree(m.mnt, {"old.bin": blob("old", 2_500_000)})
+    wait_published(m.mnt)
+    write_tree(m.mnt, {"keep.bin": blob("keep", 50_000)})
+    wait_published(m.mnt)
+    first = {int(p.name[:16], 16) for p in objects(m.shared, "n0")}
+    assert len(first) >= 3, first
+    m.unmount()
+    shutil.rmtree(m.nvme)
+    m.nvme.mkdir()
+    m.start()
+    assert (m.mnt / "old.bin").read_bytes() == blob("old", 2_500_000)
+    os.unlink(m.mnt / "old.bin")
+    write_tree(m.mnt, {"new.bin": blob("new", 100_000)})
+    wait_published(m.mnt)
+    cli("gc", m.mnt)
+    left = {int(p.name[:16], 16) for p in objects(m.shared, "n0")}
+    gone = first - left
+    assert len(gone) >= 2, f"old.bin's objects were not deleted: {sorted(first)} -> {sorted(left)}"
+    assert max(first) in left, "the object keep.bin is in was deleted"
+    assert status(m)["gc"]["objects_deleted"] == len(gone), status(m)["gc"]
+    assert (m.mnt / "keep.bin").read_bytes() == blob("keep", 50_000)
+    m.unmount()
+    assert_fsck_clean(m.shared)
+    got = export_files(m.shared, "", tmp_path / "out")
+    assert got == {"keep.bin": blob("keep", 50_000), "new.bin": blob("new", 100_000)}, \
+        sorted(got)
+
+
 def test_an_old_nvme_directory_back_after_a_new_one_took_over_never_adopts_its_objects(
         make_mount: MakeMount, tmp_path: Path) -> None:
     """Node n0's NVMe is lost while segments were being uploaded; a new NVME directory takes

@@ -157,3 +157,41 @@ def test_an_open_with_o_trunc_that_fails_on_a_full_nvme_is_not_counted_as_open(
         if index is not None:
             index.close()
         umount(disk)
+
+
+def test_deleting_unpublished_files_on_a_full_nvme_makes_room_within_seconds(
+        make_mount: MakeMount) -> None:
+    """NVME and SHARED both full: deleting the files frees their segments once the drain
+    drops them (their data died before upload) and GC deletes them. GC used to wait its grace
+    (60 s) for those too, after a sleep of up to 15 s, though a segment that was never
+    published has no other node to wait for: writers got ENOSPC for over a minute."""
+    import time
+
+    m = make_mount(start=False, extra_args=("--enospc-timeout", "1"), segment_size="4M")
+    sh("mount", "-t", "tmpfs", "-o", "size=48m,mode=0755", "tmpfs", str(m.nvme))
+    sh("mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(m.shared))
+    try:
+        m.start()
+        done, err = write_until_full(m.mnt, random.Random(3))
+        check_errno(err, errno.ENOSPC)
+        for name in [*done, *(p.name for p in m.mnt.iterdir() if p.name not in done)]:
+            os.unlink(m.mnt / name)
+        t0 = time.monotonic()
+        data = random.Random(4).randbytes(8 << 20)
+        while True:
+            try:
+                with open(m.mnt / "after", "wb") as f:
+                    f.write(data)
+                    os.fsync(f.fileno())
+                break
+            except OSError as e:
+                check_errno(e, errno.ENOSPC)
+                assert time.monotonic() - t0 < 25, "no room 25 s after deleting everything"
+                time.sleep(0.5)
+        print(f"room for 8 MiB {time.monotonic() - t0:.1f} s after the deletes")
+        assert (m.mnt / "after").read_bytes() == data
+        m.unmount()
+    finally:
+        m.teardown()
+        umount(m.nvme)
+        umount(m.shared)
