@@ -355,14 +355,20 @@ def cmd_export(a: argparse.Namespace) -> int:
     from ckptfs.export import ExportError, export
 
     store = _open_store(a.shared)
+    unmarked: list[str] = []
     try:
         with progress(f"exporting {a.path}") as update:
             files, nbytes = export(
                 store, a.path, a.dest, progress=lambda d, t: update({"done": d, "total": t}),
-                warn=lambda msg: print(f"ckptfs: warning: ignoring {msg}", file=sys.stderr))
+                warn=lambda msg: print(f"ckptfs: warning: ignoring {msg}", file=sys.stderr),
+                unmarked=unmarked.extend)
     except ExportError as e:
         raise CliError(str(e)) from None
     print(f"exported {files} files ({nbytes:,} bytes) to {a.dest}")
+    if unmarked:  # after the export: a failure says one line, not this as well
+        more = f" and {len(unmarked) - 3} more" if len(unmarked) > 3 else ""
+        print(f"ckptfs: warning: no commit marker published for {', '.join(unmarked[:3])}"
+              f"{more}: may be incomplete (`ckptfs ls {a.shared}`)", file=sys.stderr)
     return 0
 
 

@@ -176,8 +176,12 @@ def _temp_beside(parent: str) -> tuple[str, int]:
 
 def export(store: SharedStore, prefix: str, dest: str,
            progress: Callable[[int, int], None] | None = None,
-           warn: Callable[[str], None] | None = None) -> tuple[int, int]:
-    """Write the files under `prefix` as plain files into dest; returns (files, bytes)."""
+           warn: Callable[[str], None] | None = None,
+           unmarked: Callable[[list[str]], None] | None = None) -> tuple[int, int]:
+    """Write the files under `prefix` as plain files into dest; returns (files, bytes).
+
+    `unmarked` is told the checkpoints (default --retain patterns) in or around `prefix`
+    whose commit marker is not published: they may be incomplete."""
     view = merged_view(store)
     for err in view.errors:
         if warn is not None:
@@ -185,6 +189,16 @@ def export(store: SharedStore, prefix: str, dest: str,
     items = list(select(view, prefix))
     if not items:
         raise ExportError(f"nothing published under {prefix!r}")
+    if unmarked is not None:
+        from ckptfs.retention import DEFAULT_MARKERS, DEFAULT_RETAIN
+
+        p = prefix.strip("/")
+        cps = checkpoints(view, DEFAULT_RETAIN, DEFAULT_MARKERS, 0,
+                          top_marker_targets(store, view, DEFAULT_RETAIN))
+        names = [c.name for c in cps if not c.marker and (
+            not p or c.name == p or c.name.startswith(p + "/") or p.startswith(c.name + "/"))]
+        if names:
+            unmarked(names)
     dest = os.path.realpath(dest)
     os.makedirs(dest, exist_ok=True)
     total = sum(e.size for _r, _n, e in items if e.type == "f")
