@@ -110,14 +110,6 @@ def check_mountpoint(mnt: str) -> None:
                        f"MOUNTPOINT directory {mnt} does not exist")
     if os.path.ismount(mnt):
         raise CliError(f"{mnt} is already a mount point")
-    try:
-        hidden = len(os.listdir(mnt))
-    except OSError:
-        hidden = 0
-    if hidden:  # as mount(8) does it; they come back at the unmount
-        print(f"ckptfs: warning: {mnt} is not empty: its {hidden} entries are hidden while "
-              f"ckptfs is mounted there (they are not in ckptfs, nor published)",
-              file=sys.stderr)
 
 
 def _recorded_node(nvme: str) -> str | None:
@@ -259,7 +251,20 @@ def cmd_mount(a: argparse.Namespace) -> int:
                            f"from the daemon; put it outside the mount point")
     if a.node_id:
         cfg.node_id = a.node_id
+    try:
+        hidden = len(os.listdir(mnt))
+    except OSError:
+        hidden = 0
+
+    def warn_hidden() -> None:  # mounted over them, as mount(8) does; back at the unmount
+        if hidden:
+            print(f"ckptfs: warning: {mnt} is not empty: its {hidden} entries are hidden while "
+                  f"ckptfs is mounted there (they are not in ckptfs, nor published)",
+                  file=sys.stderr)
+
     if a.foreground:
+        if a.ready_fd is None:  # not the daemon `mount` starts (that one says it)
+            warn_hidden()
         setup_logging(a.log_level, a.log_file)
         ready_fd = a.ready_fd if a.ready_fd is not None else -1
         try:
@@ -268,7 +273,9 @@ def cmd_mount(a: argparse.Namespace) -> int:
             if ready_fd >= 0:
                 os.write(ready_fd, f"error {e}\n".encode())
             raise
-    return _daemonize(a, mnt, nvme)
+    res = _daemonize(a, mnt, nvme)
+    warn_hidden()
+    return res
 
 
 def _daemonize(a: argparse.Namespace, mnt: str, nvme: str) -> int:
