@@ -94,9 +94,16 @@ def cmd_replay(a: argparse.Namespace) -> int:
             first_seg=ident.get("first_segment") if store is not None else None)
         index.close(commit=True)
         seglog.close()
+        from ckptfs.recovery import repair_published_view
+
+        try:
+            view = repair_published_view(nvme)
+        except ValueError as e:
+            raise CliError(str(e)) from None
     finally:
         lock.release()
     d = rep.as_dict()
+    d["published_view"] = view
     d["log_bytes_per_s"] = round(rep.bytes_scanned / rep.seconds) if rep.seconds else None
     if a.json:
         print(json.dumps(d, indent=2))
@@ -112,6 +119,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
             print(f"recovered: {rep.recovered_tail}")
         for c in rep.corruption:
             print(f"CORRUPTION: {c}")
+        if view:
+            print(view)
     return 1 if rep.corruption else 0
 
 

@@ -341,9 +341,14 @@ class Daemon:
         n = self.ns.purge_orphans()
         if n:
             log.info("purged %d orphaned inodes (unlinked while open before a crash)", n)
-        self.drain = Drain(cfg.nvme, cfg.node_id, self.index, self.store, self.seglog.path,
-                           self.commit_index, cfg.upload_streams, cfg.upload_limit,
-                           cfg.publish_batch)
+        try:
+            self.drain = Drain(cfg.nvme, cfg.node_id, self.index, self.store, self.seglog.path,
+                               self.commit_index, cfg.upload_streams, cfg.upload_limit,
+                               cfg.publish_batch)
+        except lmdb.Error as e:
+            raise CliError(f"the published view {os.path.join(cfg.nvme, PUBLISHED_DIR)} cannot "
+                           f"be read ({type(e).__name__}: {e}); rebuild it with `ckptfs replay "
+                           f"{cfg.nvme}`") from None
         self.drain.manifest_floor = int(ident.get("adopted_seq", 0))
         self.drain.stalled = self.shared_stall
         self.cache = LocalCache(cfg.nvme, self.index, self.reader, self.seglog.path,
@@ -715,7 +720,8 @@ class Daemon:
         too (docs/operations.md, "Multi-node checkpoints"). Not again when nothing was logged
         since the last one for it. False if none was written."""
         node = self.index.get_inode(ino)
-        if node is None or not node.is_dir or self._last_waited == (ino, self.seglog.seq):
+        is_dir = node.is_dir if node is not None else ino == ROOT_INO  # the root may have no row
+        if not is_dir or self._last_waited == (ino, self.seglog.seq):
             return False
         await self.ns.log.unqueue()  # a record the log does not queue (fs.unqueued)
         try:

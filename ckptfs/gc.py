@@ -36,6 +36,7 @@ from ckptfs.shared import ANSWER_TIMEOUT, SharedStore
 log = logging.getLogger(__name__)
 
 SNAPSHOT_DIR = "snapshot"
+PUB_SNAPSHOT_DIR = "published-snapshot"  # the published view's, taken with the index's
 # on a store: SHARED or the cold tier (the names a node's NVMe-less mount numbers after)
 STORED = (SegState.PUBLISHED, SegState.EVICTED, SegState.COLD)
 DEAD_STATES = (*STORED, SegState.DROPPED)
@@ -56,10 +57,10 @@ class GcStats:
     snapshots: int = 0
 
 
-def take_snapshot(index: Index, nvme: str) -> None:
-    """Copy the committed index to NVME/snapshot atomically (blocking)."""
-    tmp = os.path.join(nvme, SNAPSHOT_DIR + ".tmp")
-    dest = os.path.join(nvme, SNAPSHOT_DIR)
+def take_snapshot(index: Index, nvme: str, name: str = SNAPSHOT_DIR) -> None:
+    """Copy the committed index to NVME/<name> atomically (blocking)."""
+    tmp = os.path.join(nvme, name + ".tmp")
+    dest = os.path.join(nvme, name)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     index.env.copy(tmp, compact=True)
@@ -77,9 +78,9 @@ def take_snapshot(index: Index, nvme: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def restore_snapshot(nvme: str, index_dir: str) -> bool:
+def restore_snapshot(nvme: str, index_dir: str, name: str = SNAPSHOT_DIR) -> bool:
     """Replace the index with the snapshot (for a full replay); False if there is none."""
-    src = os.path.join(nvme, SNAPSHOT_DIR, "data.mdb")
+    src = os.path.join(nvme, name, "data.mdb")
     if not os.path.exists(src):
         return False
     shutil.rmtree(index_dir, ignore_errors=True)
@@ -115,12 +116,13 @@ class Collector:
         self.local_freed: Callable[[int], None] = lambda size: None
         self.stats = GcStats()
         self.snapshot_seg = self._snapshot_seg()
+        self.pub_snapshot_seg = self._snapshot_seg(PUB_SNAPSHOT_DIR)
         # why the last pass could not look at every dead segment ("" = it could); `ckptfs gc`
         # reports it as an error instead of "0 segments freed"
         self.skipped = ""
 
-    def _snapshot_seg(self) -> int:
-        path = os.path.join(self.nvme, SNAPSHOT_DIR)
+    def _snapshot_seg(self, name: str = SNAPSHOT_DIR) -> int:
+        path = os.path.join(self.nvme, name)
         if not os.path.exists(os.path.join(path, "data.mdb")):
             return 0
         applied = read_applied(path)
@@ -217,9 +219,19 @@ class Collector:
             # needs every segment from its own position on
             self.snapshot_seg = await trio.to_thread.run_sync(self._snapshot_seg)
             self.stats.snapshots += 1
-        ripe = [r for r in ripe if r[0] < self.snapshot_seg]
+        # the same for the published view: a damaged one is rebuilt from its snapshot and
+        # the published segments after it (`ckptfs replay`), which must all be there
+        if max(seg for seg, _s, _z in ripe) >= self.pub_snapshot_seg:
+            def snap() -> None:
+                self.drain.pub.commit()
+                take_snapshot(self.drain.pub, self.nvme, PUB_SNAPSHOT_DIR)
+
+            await self.drain.in_pub(snap)
+            self.pub_snapshot_seg = await trio.to_thread.run_sync(self._snapshot_seg,
+                                                                  PUB_SNAPSHOT_DIR)
+        ripe = [r for r in ripe if r[0] < min(self.snapshot_seg, self.pub_snapshot_seg)]
         if not ripe:
-            return 0
+            return old
         # The published view applied these segments, but a power loss can undo its last
         # commit; it would then apply the segments after it again, without the deleted ones,
         # and publish manifests that miss their records (a rename or unlink undone on SHARED)

@@ -291,6 +291,41 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
     return rep
 
 
+def repair_published_view(nvme: str) -> str:
+    """Check that NVME/published (the published view, drain.py) opens; if it does not, put
+    its snapshot in its place (gc.py takes one before deleting segments it was built from),
+    or nothing when no segment was ever collected: the next mount's drain then applies the
+    published segments after it again. Returns what was done ("" if nothing); ValueError
+    with one line when it cannot be rebuilt."""
+    import shutil
+
+    import lmdb
+
+    from ckptfs.drain import PUBLISHED_DIR
+    from ckptfs.gc import PUB_SNAPSHOT_DIR, SNAPSHOT_DIR, restore_snapshot
+
+    path = os.path.join(nvme, PUBLISHED_DIR)
+    if not os.path.exists(path):
+        return ""
+    try:
+        Index(path).close(commit=False)
+        return ""
+    except lmdb.Error as e:
+        why = f"{type(e).__name__}: {e}"
+    log.error("the published view %s cannot be read (%s)", path, why)
+    if restore_snapshot(nvme, path, PUB_SNAPSHOT_DIR):
+        return (f"the published view was damaged ({why}): restored from its snapshot; the "
+                f"next mount applies the published segments after it")
+    if os.path.exists(os.path.join(nvme, SNAPSHOT_DIR, "data.mdb")):
+        raise ValueError(f"the published view {path} is damaged ({why}) and has no snapshot, "
+                         f"while segments it was built from were collected: mount a new, "
+                         f"empty NVME directory with this node's --node-id instead "
+                         f"(troubleshooting.md, recipe 5)")
+    shutil.rmtree(path)
+    return (f"the published view was damaged ({why}): removed; the next mount builds it "
+            f"again from the published segments")
+
+
 def reconcile_snapshot(index: Index, seglog: SegmentLog, store: Any, node: str,
                        rep: ReplayReport) -> None:
     """After a full replay that started from an index snapshot, whose segment states are as

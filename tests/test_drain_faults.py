@@ -688,6 +688,48 @@ def test_gc_deletes_what_a_node_published_before_its_nvme_was_lost_once_unused(
         sorted(got)
 
 
+@pytest.mark.parametrize("collected", [False, True], ids=["fresh", "after-gc"])
+def test_a_damaged_published_view_is_rebuilt_by_replay(make_mount: MakeMount, tmp_path: Path,
+                                                      collected: bool) -> None:
+    """NVME/published (what manifests are built from) damaged: the mount fails with one line
+    naming `ckptfs replay`, which rebuilds the view: from its snapshot, taken by GC before it
+    deletes segments the view was built from, or from nothing when none was deleted. Then
+    the node publishes as before. (The mount died with `mount failed: lmdb.InvalidError` and
+    replay left the view as it was.)"""
+    m = start_node(make_mount, "a", "n0", extra=["--gc-grace", "0"], segment_size="1M")
+    want = {"b.bin": blob("b", 100_000)}
+    if collected:
+        write_tree(m.mnt, {"a.bin": blob("a", 2_500_000)})
+        wait_published(m.mnt)
+        os.unlink(m.mnt / "a.bin")
+    write_tree(m.mnt, want)
+    wait_published(m.mnt)
+    if collected:
+        cli("gc", m.mnt)
+        assert status(m)["gc"]["segments_deleted"] >= 2, status(m)["gc"]
+        assert (m.nvme / "published-snapshot" / "data.mdb").exists()
+    want["c.bin"] = blob("c", 300_000)
+    write_tree(m.mnt, {"c.bin": want["c.bin"]})
+    wait_published(m.mnt)
+    m.unmount()
+    with open(m.nvme / "published" / "data.mdb", "r+b") as f:
+        f.write(os.urandom(8192))
+    res = cli("mount", m.nvme, m.shared, m.mnt, *node_args("n0"), check=False)
+    assert_one_line_error(res, "mount with a damaged published view")
+    assert "published view" in res.stderr and "ckptfs replay" in res.stderr, res.stderr
+    res = cli("replay", m.nvme)
+    assert ("restored from its snapshot" if collected else "builds it again") in res.stdout, \
+        res.stdout
+    m.start()
+    assert {n: (m.mnt / n).read_bytes() for n in want} == want
+    want["d.bin"] = blob("d", 50_000)
+    write_tree(m.mnt, {"d.bin": want["d.bin"]})
+    wait_published(m.mnt)
+    m.unmount()
+    assert export_files(m.shared, "", tmp_path / "out") == want
+    assert_fsck_clean(m.shared)
+
+
 def test_an_old_nvme_directory_back_after_a_new_one_took_over_never_adopts_its_objects(
         make_mount: MakeMount, tmp_path: Path) -> None:
     """Node n0's NVMe is lost while segments were being uploaded; a new NVME directory takes
