@@ -28,7 +28,8 @@ from ckptfs.drain import Drain
 from ckptfs.gc import Collector
 from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.drain import PUBLISHED_DIR
-from ckptfs.index import VSEG_BIT, ROOT_INO, Index, IndexCommitError, SegState, read_applied
+from ckptfs.index import (VSEG_BIT, ROOT_INO, Extent, Index, IndexCommitError, SegState,
+                          read_applied)
 from ckptfs.remote import Refresher, fetch_manifests
 from ckptfs.shared import (ANSWER_TIMEOUT, PUBLISH_BATCH, SharedError, SharedStore,
                            check_node_id, describe_oserror, describe_stall, open_store)
@@ -319,6 +320,7 @@ class Daemon:
                                              if not s & VSEG_BIT)], default=0)
         self.seglog.seq = max(self.seglog.seq, max(mans, default=0))
         self.reader = Reader(self.seglog.path, cfg.node_id, self.store)
+        self.reader.bad.update(self.index.iter_bad())  # found by this or an earlier replay
         self.reader.cold = self.cold
         cold_segs = [s for s, i in self.index.iter_segments() if i.state == SegState.COLD]
         if cold_segs and self.cold is None:
@@ -696,6 +698,12 @@ class Daemon:
                 self._last_waited = (ino, self.seglog.seq)
             if target > self.drain.manifest_seq:
                 await self.drain.wait_seq(target, timeout, progress)
+            damaged = await self._damaged_under(ino, rel) if op == "wait" else []
+            if damaged:
+                more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+                raise ValueError(f"{rel or '/'}: published, but damaged on this node: "
+                                 f"{', '.join(damaged[:3])}{more} (reads of the damaged "
+                                 f"ranges give EIO; `ckptfs status` says where)")
             return {"published_seq": self.drain.manifest_seq}
         if op == "evict":  # operators and tests: drop every published local copy now
             return {"evicted": self.cache.evict_all() if req.get("all") else
@@ -731,6 +739,56 @@ class Daemon:
                         "will not count this node for it yet): %s", ino, e)
             return False
         return True
+
+    async def _damaged_under(self, ino: int, rel: str) -> list[str]:
+        """Paths of the files at or under `ino` with an extent in a record known to be
+        damaged (by replay, or by a read since), unless SHARED has a good copy of it (one
+        published before the damage): reads of it give EIO on every node."""
+        bad = self.reader.bad
+        if not bad:
+            return []
+        found: list[tuple[str, list]] = []
+        stack = [(ino, rel)]
+        while stack:
+            cur, path = stack.pop()
+            node = self.index.get_inode(cur)
+            if node is None and cur != ROOT_INO:
+                continue
+            if node is None or node.is_dir:  # the root may have no row
+                for _cookie, name, child in self.index.readdir(cur, 0):
+                    stack.append((child, f"{path}/{os.fsdecode(name)}" if path
+                                  else os.fsdecode(name)))
+            else:
+                hit = [e for e in self.index.iter_extents(cur) if (e.seg, e.rec_pos) in bad]
+                if hit:
+                    found.append((path, hit))
+        out = []
+        for path, hit in found:
+            for e in hit:
+                if not await self._published_copy_ok(e):
+                    out.append(path)
+                    break
+        return sorted(out)
+
+    async def _published_copy_ok(self, e: "Extent") -> bool:
+        """Whether the object on SHARED of this node's segment holds the record of extent `e`
+        intact (it was published before the local copy was damaged), whatever the segment's
+        state says (a full replay makes every segment SEALED again until the drain finds its
+        object)."""
+        from ckptfs import segment as fmt
+
+        if e.seg & VSEG_BIT:  # another node's object: the read that found it read SHARED
+            return False
+
+        def check() -> bool:
+            try:
+                whole = self.store.read_range(self.cfg.node_id, e.seg, e.rec_pos,
+                                              fmt.RECORD_HEADER_SIZE + e.rec_len)
+            except (OSError, SharedError):  # not published (yet), or on the cold tier
+                return False
+            return fmt.verify_data_record(whole, e.rec_len)
+
+        return await trio.to_thread.run_sync(check)
 
     def _resolve(self, rel: str) -> int:
         """The inode at a path relative to the mount root (ENOENT -> ValueError)."""

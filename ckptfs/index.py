@@ -63,6 +63,7 @@ ROOT_INO = 1
 VSEG_BIT = 1 << 63
 WAITED_KEY = b"waited/"  # + u64 directory inode in `meta`: when its last `ckptfs wait` began
 MAX_WAITED = 64  # directories remembered so; older ones are forgotten
+BAD_KEY = b"bad/"  # + u64 segment + u64 position in `meta`: a record replay found damaged
 
 
 def read_applied(path: str) -> tuple[int, int, int] | None:
@@ -661,6 +662,21 @@ class Index:
         stale += keep[:max(0, len(keep) - MAX_WAITED)]
         for _t, ino in stale:
             self.txn.delete(WAITED_KEY + U64.pack(ino), db=self.meta)
+
+    def mark_bad(self, seg: int, pos: int) -> None:
+        """Replay found the record at (seg, pos) damaged: remembered in `meta` under
+        BAD_KEY, so a wait of a file that still names it says so after any later mount."""
+        self.txn.put(BAD_KEY + U64.pack(seg) + U64.pack(pos), b"", db=self.meta)
+        self.dirty += 1
+
+    def iter_bad(self) -> Iterator[tuple[int, int]]:
+        with self.txn.cursor(db=self.meta) as cur:
+            if cur.set_range(BAD_KEY):
+                for k in cur.iternext(values=False):
+                    if not k.startswith(BAD_KEY):
+                        break
+                    n = len(BAD_KEY)
+                    yield U64.unpack(k[n:n + 8])[0], U64.unpack(k[n + 8:n + 16])[0]
 
     def iter_waited(self) -> Iterator[tuple[int, int]]:
         """(directory inode, time_ns its last `ckptfs wait` began)."""

@@ -98,6 +98,8 @@ class Reader:
         self.nowait_misses = 0  # cached-only reads that found pages missing (went to a thread)
         self.max_verified = max_verified
         self.corrupt_reads = 0
+        # (segment, record position) of damaged records: found by replay, or by a read
+        self.bad: set[tuple[int, int]] = set()
         self._prefetcher: ThreadPoolExecutor | None = None
         # records asked for ahead of sequential reads: local (readahead), remote (fetched),
         # remote fetches that failed (the read that wants the record fetches it again)
@@ -293,6 +295,7 @@ class Reader:
     def _corrupt(self, e: Extent) -> None:
         with self._lock:
             self.corrupt_reads += 1
+            self.bad.add((e.seg, e.rec_pos))
         name = (f"{self.objrefs[e.seg][0]}/{fmt.segment_name(self.objrefs[e.seg][1])}"
                 if e.seg & VSEG_BIT and e.seg in self.objrefs else fmt.segment_name(e.seg))
         where = f"segment {name} record at offset {e.rec_pos}"

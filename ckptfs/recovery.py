@@ -36,6 +36,8 @@ class ReplayReport:
     torn_tail: str | None = None
     recovered_tail: str | None = None
     corruption: list[str] = field(default_factory=list)
+    # [segment, position] of each damaged record found (data records among them read EIO)
+    bad_records: list[list[int]] = field(default_factory=list)
     orphans_purged: int = 0
     seconds: float = 0.0
     files: int = 0
@@ -255,6 +257,8 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
         rep.bytes_scanned += scan.end - start
         for c in scan.corruption or []:
             rep.corruption.append(str(c))
+            rep.bad_records.append([seg, c.offset])
+            index.mark_bad(seg, c.offset)
             log.error("%s", c)
         if scan.torn_tail:
             rep.torn_tail = f"{path}: log ends at offset {scan.end} (torn record after it)"

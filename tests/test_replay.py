@@ -198,6 +198,71 @@ def read_blocks(path: Path, size: int, block: int = 4096) -> list[bytes | int]:
 
 
 @pytest.mark.timeout(120)
+def test_wait_fails_for_a_checkpoint_with_data_known_to_be_damaged(make_mount: MakeMount
+                                                                  ) -> None:
+    """A record damaged on NVMe and on SHARED (replay reports it; its range reads EIO): `wait`
+    said "published" for a directory with that file, which no node can read whole. Now it
+    names the damaged files and fails, also after later mounts (the index keeps what replay
+    found); a wait for undamaged files still succeeds."""
+    m = make_mount(segment_size="1M")
+    files = rng_files(5, {f"d/f{i}": 500_000 + 17 * i for i in range(8)})
+    files["other/ok"] = b"fine" * 1000
+    write_files(m.mnt, files)
+    m.unmount()
+    name, _file_off, _seg, _seg_off = corrupt_sealed_segment(
+        m, {k: v for k, v in files.items() if k.startswith("d/")}, also_shared=True)
+    assert run_cli("replay", m.nvme, timeout=120).rc == 1  # finds it (and the index keeps it)
+    m.start()
+    res = run_cli("wait", m.mnt / "d", timeout=120)
+    assert res.rc == 1 and "damaged on this node" in res.err and name in res.err, str(res)
+    assert len(res.err.strip().splitlines()) == 1, str(res)
+    assert run_cli("wait", m.mnt / "other", timeout=120).rc == 0
+    others = [k for k in files if k.startswith("d/") and k != name]
+    assert run_cli("wait", m.mnt / others[0], timeout=120).rc == 0
+    m.remount()
+    assert run_cli("wait", m.mnt / "d", timeout=120).rc == 1
+    # an overwrite of the damaged file ends it
+    (m.mnt / name).write_bytes(files[name])
+    assert run_cli("wait", m.mnt / "d", timeout=120).rc == 0
+
+
+def test_wait_succeeds_when_shared_has_a_good_copy_of_a_damaged_local_record(
+        make_mount: MakeMount) -> None:
+    """Damaged on NVMe only, after it was published: reads are served from SHARED's copy,
+    so the checkpoint is whole on SHARED and a wait says so."""
+    m = make_mount(segment_size="1M")
+    files = rng_files(7, {f"d/f{i}": 500_000 + 17 * i for i in range(8)})
+    write_files(m.mnt, files)
+    m.unmount()
+    corrupt_sealed_segment(m, files, also_shared=False)
+    assert run_cli("replay", m.nvme, timeout=120).rc == 1
+    m.start()
+    res = run_cli("wait", m.mnt / "d", timeout=120)
+    assert res.rc == 0, str(res)
+
+
+def test_wait_fails_for_a_file_a_read_found_damaged(make_mount: MakeMount) -> None:
+    """Damage no replay saw (the segment was applied before it happened), found by a read that
+    got EIO: a wait of the file says so too."""
+    m = make_mount(segment_size="1M")
+    files = rng_files(6, {f"d/f{i}": 500_000 + 17 * i for i in range(8)})
+    write_files(m.mnt, files)
+    m.unmount()
+    name, file_off, _seg, _seg_off = corrupt_sealed_segment(m, files, also_shared=True)
+    m.start()
+    assert run_cli("wait", m.mnt / "d", timeout=120).rc == 0  # nothing knows of it yet
+    fd = os.open(m.mnt / name, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as err:
+            os.pread(fd, 4096, file_off - file_off % 4096)
+        assert err.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    res = run_cli("wait", m.mnt / name, timeout=120)
+    assert res.rc == 1 and "damaged on this node" in res.err, str(res)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("also_shared", [False, True], ids=["local-only", "local-and-shared"])
 def test_flipped_byte_in_sealed_segment(make_mount: MakeMount, also_shared: bool) -> None:
     m = make_mount(segment_size="1M")
