@@ -752,7 +752,9 @@ def test_an_old_nvme_directory_back_after_a_new_one_took_over_never_adopts_its_o
     m.extra_args.remove("--upload-limit")
     m.extra_args.remove("0.05")
     m.start()
-    write_tree(m.mnt, {f"step_2/{i}.bin": blob(f"new{i}", 1_500_000) for i in range(3)})
+    # more than the old directory wrote: its segment ids (and its tail's, sealed by the
+    # recovery) all collide with the new directory's objects
+    write_tree(m.mnt, {f"step_2/{i}.bin": blob(f"new{i}", 1_500_000) for i in range(4)})
     wait_published(m.mnt)
     m.unmount()
     published = {p.name: p.read_bytes() for p in objects(m.shared, "n0")}
