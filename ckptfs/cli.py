@@ -185,6 +185,12 @@ def _status_table(st: dict) -> Any:
         rows.insert(0, ("LOG FAILED", f"a flush of the log on NVMe failed ({st['log_error']}): "
                                       f"writes fail with EIO; unmount, check the disk, mount "
                                       f"again"))
+    if st.get("damaged_records"):
+        found = (st.get("replay") or {}).get("corruption") or []
+        rows.append(("DAMAGED", f"{st['damaged_records']} records on this node read EIO unless "
+                                f"SHARED has a good copy" + (f"; replay: {found[0]}" + (
+                                    f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+                                    if found else "")))
     stall = st.get("shared_stalled_s") or 0
     if stall >= 2:  # a daemon from before this field has none
         rows.append(("shared store", f"no answer for {stall:.0f} s"

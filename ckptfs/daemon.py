@@ -871,6 +871,7 @@ class Daemon:
             "retention": self.retention.status(),
             "cold": self.coldtier.status() if self.coldtier is not None else None,
             "corrupt_reads": self.reader.corrupt_reads,
+            "damaged_records": len(self.reader.bad),
             "read_ahead": dict(self.reader.ahead),
             "read_misses": self.reader.nowait_misses,
             "replay": self.replay_report.as_dict(),

@@ -219,6 +219,8 @@ def test_wait_fails_for_a_checkpoint_with_data_known_to_be_damaged(make_mount: M
     assert run_cli("wait", m.mnt / "other", timeout=120).rc == 0
     others = [k for k in files if k.startswith("d/") and k != name]
     assert run_cli("wait", m.mnt / others[0], timeout=120).rc == 0
+    st = run_cli("status", m.mnt, timeout=60)
+    assert "DAMAGED" in st.out and "1 records" in st.out, str(st)
     m.remount()
     assert run_cli("wait", m.mnt / "d", timeout=120).rc == 1
     # an overwrite of the damaged file ends it
