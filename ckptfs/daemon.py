@@ -788,7 +788,8 @@ class Daemon:
                 return False
             return fmt.verify_data_record(whole, e.rec_len)
 
-        return await trio.to_thread.run_sync(check)
+        # a hung NAS: the wait's caller gives up (its timeout), the thread is left to it
+        return await trio.to_thread.run_sync(check, abandon_on_cancel=True)
 
     def _resolve(self, rel: str) -> int:
         """The inode at a path relative to the mount root (ENOENT -> ValueError)."""
