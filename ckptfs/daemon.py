@@ -199,6 +199,7 @@ def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = F
                        + ("its snapshot is damaged too" if from_snapshot else
                           f"rebuild it from the log with `ckptfs replay {nvme}`")) from None
     seglog = SegmentLog(os.path.join(nvme, layout.SEGMENT_DIR), node_id, segment_size)
+    started_empty = index.applied == (0, 0, 0)  # index lost, or a full replay from scratch
     try:
         rep = replay(index, seglog, full=full_replay and not from_snapshot, store=store,
                      node=node_id, first_seg=first_seg)
@@ -207,10 +208,13 @@ def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = F
         raise CliError(f"the index {index_dir} is damaged ({type(e).__name__}: {e}); "
                        f"rebuild it from the log with `ckptfs replay {nvme}`") from None
     rep.from_snapshot = from_snapshot
-    if from_snapshot and store is not None:
-        from ckptfs.recovery import reconcile_snapshot
+    if (from_snapshot or started_empty) and store is not None:
+        # the segment states are the snapshot's, or replay's own (SEALED): a published
+        # segment would be uploaded again, as a second copy under the same name in a new
+        # batch directory (of the damaged local copy, if that is why replay was run)
+        from ckptfs.recovery import reconcile_states
 
-        reconcile_snapshot(index, seglog, store, node_id, rep)
+        reconcile_states(index, seglog, store, node_id, rep)
     return index, seglog, rep
 
 
@@ -873,6 +877,7 @@ class Daemon:
             "cold": self.coldtier.status() if self.coldtier is not None else None,
             "corrupt_reads": self.reader.corrupt_reads,
             "damaged_records": len(self.reader.bad),
+            "healed_reads": self.reader.healed_reads,
             "read_ahead": dict(self.reader.ahead),
             "read_misses": self.reader.nowait_misses,
             "replay": self.replay_report.as_dict(),

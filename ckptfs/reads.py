@@ -98,6 +98,7 @@ class Reader:
         self.nowait_misses = 0  # cached-only reads that found pages missing (went to a thread)
         self.max_verified = max_verified
         self.corrupt_reads = 0
+        self.healed_reads = 0  # damaged on local disk, served from SHARED's copy
         # (segment, record position) of damaged records: found by replay, or by a read
         self.bad: set[tuple[int, int]] = set()
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -288,9 +289,33 @@ class Reader:
             return rec[start:start + n]
         whole = pread(e.seg, HDR + e.rec_len, e.rec_pos, cached_only)
         if not fmt.verify_data_record(whole, e.rec_len):
-            self._corrupt(e)
+            healed = self._published_copy(e, cached_only)
+            if healed is None:
+                self._corrupt(e)
+            return healed[start:start + n]
         self._remember(e, whole)
         return memoryview(whole)[start:start + n]
+
+    def _published_copy(self, e: Extent, cached_only: bool) -> memoryview | None:
+        """A record damaged on local disk, from this node's object on SHARED if it was
+        published before the damage (verified there); None if it is not there, or damaged
+        there too. Read again each time (the local copy stays damaged; a rewrite of the
+        file, or the segment's eviction, ends it)."""
+        if e.seg & VSEG_BIT or self.remote is None:
+            return None
+        if cached_only:
+            raise _NotCached  # the shared store: not on the trio thread
+        try:
+            data = self.remote.read_range(self.node, e.seg, e.rec_pos, HDR + e.rec_len)
+        except (OSError, SharedError):
+            return None
+        if not fmt.verify_data_record(data, e.rec_len):
+            return None
+        with self._lock:
+            self.healed_reads += 1
+        log.warning("segment %s record at offset %d is damaged on local disk: served from "
+                    "the shared store's copy", fmt.segment_name(e.seg), e.rec_pos)
+        return memoryview(data)
 
     def _corrupt(self, e: Extent) -> None:
         with self._lock:

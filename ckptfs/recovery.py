@@ -330,33 +330,43 @@ def repair_published_view(nvme: str) -> str:
             f"again from the published segments")
 
 
-def reconcile_snapshot(index: Index, seglog: SegmentLog, store: Any, node: str,
-                       rep: ReplayReport) -> None:
-    """After a full replay that started from an index snapshot, whose segment states are as
-    old as the snapshot: a segment it calls SEALED, UPLOADING or PUBLISHED may have been
+def reconcile_states(index: Index, seglog: SegmentLog, store: Any, node: str,
+                     rep: ReplayReport) -> None:
+    """After a replay that started from an index snapshot, whose segment states are as old
+    as the snapshot, or from an empty index (lost, or a full replay), which calls every
+    sealed segment SEALED: a segment said SEALED, UPLOADING or PUBLISHED may have been
     published, evicted, or deleted by garbage collection since (GC deletes only dead segments
     that a snapshot covers). Make the states say what exists, or the drain would upload
-    a published segment a second time, or retry forever a segment that is nowhere."""
+    a published segment a second time (a second object of that name, in a new batch
+    directory), or retry forever a segment that is nowhere."""
+    local = set(seglog.existing())
+    todo = [(seg, info) for seg, info in index.iter_segments()
+            if not seg & VSEG_BIT and info.state in (SegState.SEALED, SegState.UPLOADING,
+                                                     SegState.PUBLISHED)
+            and not (info.state == SegState.PUBLISHED and seg in local)]
+    if not todo:
+        return
     shared = getattr(store, "shared", store)  # the shared tier of a Tiered store
     try:
         listed = set(shared.list_objects(node))
         if hasattr(shared, "check"):
             shared.check()
     except (OSError, SharedError) as e:
-        # unreachable is not "missing": leave the states as the snapshot has them
-        rep.corruption.append(f"segment states from the index snapshot not checked: the "
-                              f"shared store cannot be read ({e}); replay again once it can")
+        # unreachable is not "missing": leave the states as they are
+        rep.corruption.append(f"segment states not checked against the shared store: it "
+                              f"cannot be read ({e}); replay again once it can")
         log.error("%s", rep.corruption[-1])
         return
-    local = set(seglog.existing())
-    for seg, info in list(index.iter_segments()):
-        if seg & VSEG_BIT or info.state not in (SegState.SEALED, SegState.UPLOADING,
-                                                SegState.PUBLISHED):
-            continue
+    for seg, info in todo:
         here = seg in local
-        if info.state == SegState.PUBLISHED and here:
-            continue
-        there = seg in listed and shared.object_ok(node, seg, info.size)
+        head = b""
+        if here:  # the object must be this segment's, not another NVME directory's
+            try:
+                with open(seglog.path(seg), "rb") as f:
+                    head = f.read(fmt.SEGMENT_HEADER_SIZE)
+            except OSError:
+                pass
+        there = seg in listed and shared.object_ok(node, seg, info.size, head)
         name = fmt.segment_name(seg)
         if there:
             index.set_segment(seg, SegState.PUBLISHED if here else SegState.EVICTED)

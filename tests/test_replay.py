@@ -230,8 +230,8 @@ def test_wait_fails_for_a_checkpoint_with_data_known_to_be_damaged(make_mount: M
 
 def test_wait_succeeds_when_shared_has_a_good_copy_of_a_damaged_local_record(
         make_mount: MakeMount) -> None:
-    """Damaged on NVMe only, after it was published: reads are served from SHARED's copy,
-    so the checkpoint is whole on SHARED and a wait says so."""
+    """Damaged on NVMe only, after it was published: the checkpoint is whole on SHARED, so a
+    wait says so, and reads are served from SHARED's copy."""
     m = make_mount(segment_size="1M")
     files = rng_files(7, {f"d/f{i}": 500_000 + 17 * i for i in range(8)})
     write_files(m.mnt, files)
@@ -241,6 +241,15 @@ def test_wait_succeeds_when_shared_has_a_good_copy_of_a_damaged_local_record(
     m.start()
     res = run_cli("wait", m.mnt / "d", timeout=120)
     assert res.rc == 0, str(res)
+    # and reads are served from that copy (they were EIO)
+    for rel, data in files.items():
+        assert (m.mnt / rel).read_bytes() == data, rel
+    # the replay's SEALED segments were not uploaded again: one object per name (a second
+    # copy, of the damaged local file, went into a new batch directory, and was read)
+    names = [p.name for p in (m.shared / "ckptfs" / "objects").rglob("*.seg")]
+    assert sorted(names) == sorted(set(names)), sorted(names)
+    st = json.loads(run_cli("status", m.mnt, "--json").out)
+    assert st["healed_reads"] >= 1 and st["corrupt_reads"] == 0, st
 
 
 def test_wait_fails_for_a_file_a_read_found_damaged(make_mount: MakeMount) -> None:
