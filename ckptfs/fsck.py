@@ -5,7 +5,8 @@ names exists with the size the manifest records, ends in a valid footer and reco
 every extent points at a WRITE record of that table whose length matches. --deep also reads
 every record of every referenced object and verifies its checksum. Objects no manifest
 references are reported (they are garbage, or the drain of a live node is ahead of its
-manifest).
+manifest), and so is an object name found in two places on a directory store (beside the
+batch directories and in one, or in two).
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ def fsck(store: SharedStore, deep: bool = False,
                     rep.problems.append(f"{obj}: {e}")
                     break
     for node in store.all_object_nodes():
+        if hasattr(store, "duplicate_objects"):  # a directory store: batch directories
+            for seg, paths in sorted(store.duplicate_objects(node).items()):
+                rep.problems.append(f"{manifest.obj_name(node, seg)}: published more than "
+                                    f"once ({', '.join(paths)})")
         for seg in store.list_objects(node):
             obj = manifest.obj_name(node, seg)
             if obj not in referenced:

@@ -599,6 +599,29 @@ class SharedStore:
                         self._where[(node, seg)] = os.path.join(d, n, name)
         return sorted(out)
 
+    def duplicate_objects(self, node: str) -> dict[int, list[str]]:
+        """node's object ids found in more than one place (beside the batch directories and
+        in them, or in two batches), with their paths: an object name must have one content,
+        and readers take whichever they list last."""
+        d = self.node_objects(node)
+        seen: dict[int, list[str]] = {}
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return {}
+        for n in names:
+            if (m := OBJ_RE.match(n)):
+                seen.setdefault(int(m.group(1), 16), []).append(os.path.join(d, n))
+            elif BATCH_RE.match(n):
+                try:
+                    inner = os.listdir(os.path.join(d, n))
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for name in inner:
+                    if (m := OBJ_RE.match(name)):
+                        seen.setdefault(int(m.group(1), 16), []).append(os.path.join(d, n, name))
+        return {seg: sorted(paths) for seg, paths in seen.items() if len(paths) > 1}
+
     @watched("listing")
     def all_object_nodes(self) -> list[str]:
         try:

@@ -12,6 +12,7 @@ import copy
 import errno
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,22 @@ def test_fsck_rejects_a_manifest_filed_under_another_node(make_mount: MakeMount)
     rc, rep, _ = fsck(a.shared)
     assert rc == 1 and any("evil-impostor/" in p for p in rep["problems"]), (
         f"fsck exit {rc} for a manifest every reader rejects: {rep}")
+
+
+def test_fsck_finds_an_object_published_twice(make_mount: MakeMount) -> None:
+    """An object name in two places on SHARED (beside the batch directories and in one):
+    readers take whichever they list last, so it must have one content; fsck said ok (a full
+    replay used to publish second copies so)."""
+    a, _body = published_good(make_mount)
+    rc, rep, _ = fsck(a.shared)
+    assert rc == 0, rep
+    objs = sorted((a.shared / "ckptfs" / "objects" / "n0").rglob("*.seg"))
+    dup = a.shared / "ckptfs" / "objects" / "n0" / f"b{'f' * 15}0-{'f' * 15}1"
+    dup.mkdir()
+    shutil.copyfile(objs[0], dup / objs[0].name)
+    rc, rep, _ = fsck(a.shared)
+    assert rc == 1 and any(f"n0/{objs[0].name[:16]}: published more than once" in p
+                           for p in rep["problems"]), rep
 
 
 def test_fsck_names_the_manifest_of_a_bad_extent(make_mount: MakeMount) -> None:
