@@ -51,6 +51,25 @@ def positive_float(text: str) -> float:
     return v
 
 
+def nonzero_float(text: str) -> float:
+    """A positive number of seconds for a loop's period (0 would spin)."""
+    v = positive_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
+    return v
+
+
+def count(text: str) -> int:
+    """A count where 0 means none or off."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return v
+
+
 def positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -499,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on SHARED, which may be mounted read-only; needs its own --node-id")
     m.add_argument("--segment-size", type=parse_size, default=256 << 20,
                    help="seal a log segment at this size (default 256M)")
-    m.add_argument("--seal-idle", type=positive_float, default=5.0,
+    m.add_argument("--seal-idle", type=nonzero_float, default=5.0,
                    help="seal a segment idle for this many seconds (default 5)")
     m.add_argument("--upload-streams", type=int, default=None,
                    help="parallel drain streams (default 4 to a directory, 2 to S3, whose "
@@ -524,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on local segment bytes, e.g. 50G (default: the filesystem)")
     m.add_argument("--enospc-timeout", type=positive_float, default=60.0,
                    help="writers wait this long for space before ENOSPC (default 60)")
-    m.add_argument("--refresh-interval", type=positive_float, default=5.0,
+    m.add_argument("--refresh-interval", type=nonzero_float, default=5.0,
                    help="seconds between reads of other nodes' manifests (default 5)")
     m.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
                    help="names of the directories that are checkpoints, up to three levels "
@@ -533,18 +552,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--marker", action="append", metavar="GLOB", type=name_glob,
                    help="commit marker file names (repeatable; default .metadata, "
                         "trainer_state.json, commit_success.txt, latest)")
-    m.add_argument("--keep-local", type=int, default=0, metavar="N",
+    m.add_argument("--keep-local", type=count, default=0, metavar="N",
                    help="keep the newest N checkpoints of each run on NVMe, evict older ones "
                         "once published (default 0: watermarks only)")
-    m.add_argument("--keep-shared", type=int, default=0, metavar="M",
+    m.add_argument("--keep-shared", type=count, default=0, metavar="M",
                    help="keep the newest M complete checkpoints of each run, delete older "
                         "ones from the namespace and SHARED (default 0: keep all)")
     m.add_argument("--cold", metavar="URL",
                    help="cold tier (directory or s3:// URL): checkpoints older than the "
                         "newest --keep-shared move there instead of being deleted")
-    m.add_argument("--keep-cold", type=int, default=0, metavar="K",
+    m.add_argument("--keep-cold", type=count, default=0, metavar="K",
                    help="keep K checkpoints on the cold tier, delete older ones (default 0: all)")
-    m.add_argument("--nodes", type=int, default=0, metavar="N",
+    m.add_argument("--nodes", type=count, default=0, metavar="N",
                    help="checkpoints are written by N nodes: complete only when all N "
                         "published (used by `wait --all-nodes`)")
     m.add_argument("--no-dedup", action="store_true",
@@ -617,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a published directory (default: the checkpoints table)")
     ls.add_argument("--json", action="store_true", help="print as JSON")
     ls.add_argument("--files", action="store_true", help="list every published entry")
-    ls.add_argument("--nodes", type=int, default=0, metavar="N",
+    ls.add_argument("--nodes", type=count, default=0, metavar="N",
                     help="a checkpoint is complete only when N nodes published parts of it")
     ls.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
                     help="checkpoint directory name globs (default step_*, step-*, "
@@ -648,14 +667,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ranks", type=int, required=True, help="writing processes in total")
     pl.add_argument("--files-per-rank", type=int, default=1,
                     help="files each rank writes per checkpoint (default 1)")
-    pl.add_argument("--nodes", type=int, default=1,
+    pl.add_argument("--nodes", type=count, default=1,
                     help="machines the ranks run on, each with its own NVMe and mount; "
                          "per-node figures divide by it (default 1)")
     pl.add_argument("--segment-size", default="256MiB",
                     help="the mount's --segment-size (default 256MiB)")
-    pl.add_argument("--keep-local", type=int, default=2,
+    pl.add_argument("--keep-local", type=count, default=2,
                     help="checkpoints kept on NVMe (the mount's --keep-local; default 2)")
-    pl.add_argument("--keep-shared", type=int, default=5,
+    pl.add_argument("--keep-shared", type=count, default=5,
                     help="checkpoints kept on the shared store (default 5)")
     pl.add_argument("--nas-creates", type=float, help="NAS creates/s (from `ckptfs probe`)")
     pl.add_argument("--nas-bandwidth", help="NAS write bandwidth, e.g. 2GB/s")
@@ -667,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("probe", help="measure a directory's create rate, fsync latency and "
                                       "bandwidth (bounded, cleans up)")
     pr.add_argument("dir", metavar="DIR")
-    pr.add_argument("--seconds", type=positive_float, default=2.0,
+    pr.add_argument("--seconds", type=nonzero_float, default=2.0,
                     help="time per measurement (default 2)")
     pr.add_argument("--max-bytes", type=parse_size, default=256 << 20,
                     help="largest file written (default 256M)")

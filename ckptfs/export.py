@@ -297,11 +297,16 @@ def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
     from ckptfs.retention import checkpoint_of
 
     out: dict[str, CheckpointSummary] = {}
+    first: dict[str, int] = {}  # checkpoint -> the oldest mtime of a file or symlink in it
+    newest: dict[tuple[str, str], int] = {}  # (checkpoint, node) -> that node's newest there
     for path, (node, e) in sorted(view.entries.items()):
         top = checkpoint_of(path, retain, e.type == "d")
         if top is None:
             continue
         c = out.setdefault(top, CheckpointSummary(top, 0, 0, [], False, False, []))
+        if e.type != "d":  # a directory's mtime moves with what any node creates in it
+            first[top] = min(first.get(top, e.mtime_ns), e.mtime_ns)
+            newest[top, node] = max(newest.get((top, node), e.mtime_ns), e.mtime_ns)
         if e.type == "f":
             c.files += 1
             c.bytes += e.size
@@ -318,9 +323,14 @@ def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
     for name in named:
         if name in out:
             out[name].marker = True
+    # a node's wait of the checkpoint or of a directory above it counts if it began once the
+    # checkpoint had files (an older wait of a directory above it covers none of them) and
+    # after the last change of the node's own files in it
     for node, m in sorted(view.manifests.items()):
         for c in out.values():
-            if any(p == "" or c.name == p or c.name.startswith(p + "/") for p, _t in m.waited):
+            lo = max(first.get(c.name, 0), newest.get((c.name, node), 0))
+            if any((p == "" or c.name == p or c.name.startswith(p + "/")) and t >= lo
+                   for p, t in m.waited):
                 c.waited.append(node)
     for c in out.values():
         c.complete = c.marker and len(c.nodes) >= max(1, nodes_required)

@@ -78,6 +78,13 @@ def make_plan(size: float, interval: float, budget: float, ranks: int, files_per
     if min(size, interval, budget) <= 0 or ranks < 1 or files_per_rank < 1 or nodes < 1 \
             or publish_batch < 1:
         raise ValueError("sizes, times and counts must be positive")
+    if segment_size < 2 ** 20:
+        raise ValueError("--segment-size must be at least 1MiB (as at mount)")
+    if keep_local < 0 or keep_shared < 0:
+        raise ValueError("--keep-local and --keep-shared must not be negative")
+    if (nas_creates_per_s is not None and nas_creates_per_s <= 0) or \
+            (nas_bandwidth is not None and nas_bandwidth <= 0):
+        raise ValueError("--nas-creates and --nas-bandwidth must be positive")
     if budget > interval:
         raise ValueError("the save budget cannot exceed the checkpoint interval")
     files = ranks * files_per_rank + 1  # + the commit marker

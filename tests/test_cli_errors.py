@@ -415,6 +415,11 @@ USAGE_ERROR = re.compile(r"^ckptfs(?: [a-z-]+)?: error: ")
         ["mount", "a", "b", "c", "--bogus"],
         ["mount", "a", "b", "c", "--segment-size", "banana"],
         ["mount", "a", "b", "c", "--seal-idle", "soon"],
+        ["mount", "a", "b", "c", "--seal-idle", "0"],  # the idle check would spin
+        ["mount", "a", "b", "c", "--refresh-interval", "0"],  # SHARED listed without a pause
+        ["mount", "a", "b", "c", "--nodes", "-1"],
+        ["mount", "a", "b", "c", "--keep-shared", "-2"],
+        ["ls", "a", "--nodes", "-1"],
         ["mount", "a", "b", "c", "--retain", "run/step_*"],  # a name glob, not a path
         ["ls", "a", "--marker", ""],
         ["umount"],

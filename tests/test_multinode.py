@@ -733,11 +733,17 @@ def test_wait_all_nodes_does_not_count_a_node_whose_shard_is_published_in_part(
     wait_published(b.mnt / "step_1")
     assert (status(b)["log_seq"], status(b)["segments_uploaded"]) == \
         (st["log_seq"], st["segments_uploaded"])
-    # a wait of a directory above a checkpoint vouches for it too
+    # a wait of a directory above a checkpoint vouches for it too...
     write_tree(a.mnt, {"step_2/__0_0.distcp": b"2"})
     wait_published(a.mnt)
+    # ...but not for one that had no files yet when it began
+    write_tree(b.mnt, {"step_3/__1_0.distcp": b"3", "step_3/.metadata": b"m"})
+    wait_published(b.mnt / "step_3")
+    res = cli("wait", b.mnt / "step_3", "--all-nodes", "2", "--timeout", "3", check=False)
+    assert res.returncode == 1 and "1/2 nodes' waits published" in res.stderr, \
+        f"counted a wait that began before the checkpoint existed: {res.stderr}"
     listed = {c["name"]: c["waited"] for c in json.loads(cli("ls", a.shared, "--json").stdout)}
-    assert listed == {"step_1": ["n0", "n1"], "step_2": ["n0"]}, listed
+    assert listed == {"step_1": ["n0", "n1"], "step_2": ["n0"], "step_3": ["n1"]}, listed
 
 
 def test_directory_and_symlink_mtimes_reach_other_nodes_and_export(make_mount: MakeMount,

@@ -45,6 +45,25 @@ def test_plan_follows_the_seeds_three_steps_and_counts_batched_publishes() -> No
     assert "budget" in assert_one_line_error(res, "a budget longer than the interval")
 
 
+def test_plan_and_probe_refuse_values_that_mean_nothing(tmp_path: Path) -> None:
+    """Each with one line: a zero segment size divided by zero (a traceback), negative
+    retention counts gave a negative capacity, a NAS of 0 creates/s or 0 bytes/s was taken,
+    and `probe --seconds 0` measured nothing and died computing a median."""
+    base = ["plan", "--size", "50GB", "--interval", "10m", "--budget", "30s", "--ranks", "8"]
+    for extra, word in ((["--segment-size", "0"], "segment-size"),
+                        (["--segment-size", "1"], "segment-size"),
+                        (["--nas-creates", "0"], "nas-creates"),
+                        (["--nas-bandwidth", "0"], "nas-bandwidth")):
+        res = cli(*base, *extra, check=False)
+        assert word in assert_one_line_error(res, " ".join(extra)), res.stderr
+    for extra in (["--keep-local", "-1"], ["--keep-shared", "-2"]):
+        res = cli(*base, *extra, check=False)
+        assert res.returncode == 2 and "must not be negative" in res.stderr, res.stderr
+    res = cli("probe", str(tmp_path), "--seconds", "0", check=False)
+    assert res.returncode == 2 and "must be more than 0" in res.stderr, res.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_probe_measures_the_emulated_nas_and_cleans_up(tmp_path: Path) -> None:
     sys.path.insert(0, str(REPO))
     from bench.nasemu import NasEmu
