@@ -110,7 +110,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
     try:
         index, seglog, rep = open_state(
             nvme, ident.get("node", "replay"), 256 << 20, full_replay=not a.tail, store=store,
-            first_seg=ident.get("first_segment") if store is not None else None)
+            first_seg=ident.get("first_segment") if store is not None else None,
+            dir_id=int(ident.get("created_ns", 0)))
         index.close(commit=True)
         seglog.close()
         from ckptfs.recovery import repair_published_view

@@ -178,8 +178,8 @@ def identity(nvme: str, node_id: str | None, first_seg: int, shared: str,
 
 
 def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = False,
-               store: SharedStore | None = None,
-               first_seg: int | None = None) -> tuple[Index, SegmentLog, object]:
+               store: SharedStore | None = None, first_seg: int | None = None,
+               dir_id: int = 0) -> tuple[Index, SegmentLog, object]:
     """Open the index and the log and bring the index up to the end of the log.
 
     A full replay starts from the newest index snapshot if there is one (segments before it
@@ -198,11 +198,11 @@ def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = F
         raise CliError(f"the index {index_dir} cannot be read ({type(e).__name__}: {e}); "
                        + ("its snapshot is damaged too" if from_snapshot else
                           f"rebuild it from the log with `ckptfs replay {nvme}`")) from None
-    seglog = SegmentLog(os.path.join(nvme, layout.SEGMENT_DIR), node_id, segment_size)
+    seglog = SegmentLog(os.path.join(nvme, layout.SEGMENT_DIR), node_id, segment_size, dir_id)
     started_empty = index.applied == (0, 0, 0)  # index lost, or a full replay from scratch
     try:
         rep = replay(index, seglog, full=full_replay and not from_snapshot, store=store,
-                     node=node_id, first_seg=first_seg)
+                     node=node_id, first_seg=first_seg, dir_id=dir_id)
     except lmdb.Error as e:  # a damaged page met on the way
         seglog.close()
         raise CliError(f"the index {index_dir} is damaged ({type(e).__name__}: {e}); "
@@ -304,7 +304,8 @@ class Daemon:
         self.index, self.seglog, self.replay_report = open_state(
             cfg.nvme, cfg.node_id, cfg.segment_size,
             store=tiers,
-            first_seg=int(ident.get("first_segment", 1)))
+            first_seg=int(ident.get("first_segment", 1)),
+            dir_id=int(ident.get("created_ns", 0)))
         rep = self.replay_report
         if rep.records or rep.corruption:
             log.info("replayed %d records from %d segments in %.2fs%s", rep.records,
@@ -318,6 +319,14 @@ class Daemon:
         except OSError as e:
             log.warning("shared store not readable at mount (%s); continuing on NVMe", e)
             objs, mans = [], []
+        if not fresh and not cfg.read_only and mans and max(mans) > self.seglog.seq:
+            # every manifest this directory published names a position of its own log: one
+            # past its end is another NVME directory's, which took this node over since
+            raise CliError(f"node {cfg.node_id!r} has published manifest {max(mans):016x} "
+                           f"on {cfg.shared}, past the end of this NVME directory's log "
+                           f"({self.seglog.seq:016x}): another NVME directory took the node "
+                           f"over since; mount a new, empty NVME directory with this node id "
+                           f"(it imports what the node published)")
         # never reuse a segment id: not one published (listing SHARED may have failed), nor
         # one the index still knows whose local file is gone (evicted)
         self.seglog.id_floor = max([*objs, *(s for s, _i in self.index.iter_segments()

@@ -234,6 +234,7 @@ class Dirs:
     # SHARED and the baseline's directory go here instead of under root: `--shared DIR`, a
     # fresh directory the demo made on the user's own shared filesystem
     shared_root: str | None = None
+    made: list[str] = field(default_factory=list)  # --workdir's new directories, deepest first
     nvme: str = field(init=False)
     shared: str = field(init=False)
     mnt: str = field(init=False)
@@ -334,7 +335,12 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
     size = max(1, int(size_mb * (1 << 20)))
     nfiles = ranks * files_per_rank + 1
     total = ranks * files_per_rank * size
+    made: list[str] = []  # directories of --workdir that did not exist: removed afterwards
     if workdir is not None:
+        d = os.path.abspath(workdir)
+        while not os.path.exists(d):
+            made.append(d)
+            d = os.path.dirname(d)
         os.makedirs(workdir, exist_ok=True)
     # realpath: the cleanup finds the mount in /proc/mounts by this exact path, never by stat
     root = os.path.realpath(tempfile.mkdtemp(prefix="ckptfs-demo-", dir=workdir))
@@ -348,6 +354,7 @@ def _run_demo(ranks: int, files_per_rank: int, size_mb: float, keep: bool,
                       f"{shared}: {e.strerror}")
             return 1
     dirs = Dirs(root, shared_root)
+    dirs.made = made
     writers: Ranks | None = None
     daemon_pid: int | None = None
     ok = False
@@ -442,6 +449,11 @@ def _cleanup(con: Any, dirs: Dirs, writers: Ranks | None, pid: int | None, ok: b
         shutil.rmtree(dirs.root, ignore_errors=True)
         if dirs.shared_root is not None:
             shutil.rmtree(dirs.shared_root, ignore_errors=True)
+        for d in dirs.made:  # only if empty: something else may have been put there since
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
 
 
 def _table(con: Any, nfiles: int, straight_files: int, objects: int, manifests: int,

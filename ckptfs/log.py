@@ -97,9 +97,10 @@ class LogStats:
 
 
 class SegmentLog:
-    def __init__(self, seg_dir: str, node_id: str, segment_size: int):
+    def __init__(self, seg_dir: str, node_id: str, segment_size: int, dir_id: int = 0):
         self.dir = seg_dir
         self.node_id = node_id
+        self.dir_id = dir_id  # written into segment headers (format.md section 1.1)
         self.segment_size = segment_size
         os.makedirs(seg_dir, exist_ok=True)
         self.dir_fd = os.open(seg_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -156,7 +157,7 @@ class SegmentLog:
         seg_id = max([self.seg_id, self.id_floor, *ids]) + 1
         path = self.path(seg_id)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        head = fmt.segment_header(seg_id, self.node_id, time.time_ns())
+        head = fmt.segment_header(seg_id, self.node_id, time.time_ns(), self.dir_id)
         try:
             if os.pwrite(fd, head, 0) != len(head):
                 raise OSError(errno.ENOSPC, "short write of a segment header")

@@ -147,7 +147,7 @@ def _drop_headerless_tail(seglog: SegmentLog, local: list[int], a_seg: int,
 
 
 def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = None,
-           node: str = "", first_seg: int | None = None) -> ReplayReport:
+           node: str = "", first_seg: int | None = None, dir_id: int = 0) -> ReplayReport:
     """Apply the log beyond the index's last commit (or all of it with full=True).
 
     Segments of this NVMe directory (ids from first_seg on) that are not on local disk any
@@ -155,6 +155,7 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
     """
     t0 = time.monotonic()
     rep = ReplayReport(full=full)
+    known = {s for s, _i in index.iter_segments() if not s & VSEG_BIT}
     if full:
         index.wipe()
     # the root exists before any record (its owner and mode are a SETATTR record of the
@@ -170,6 +171,9 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
                       if s >= first_seg and s not in local_set]
         except OSError as e:
             log.warning("cannot list published segments on SHARED: %s", e)
+        if dir_id:  # never another NVME directory's, mounted as this node since
+            remote = [s for s in remote if s < a_seg or s in known
+                      or _written_here(store, node, s, dir_id)]
     ids = sorted(local_set | set(remote))
     rep.segments = len(ids)
     seglog.seq = max(seglog.seq, a_seq)
@@ -293,6 +297,23 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
             rep.file_bytes += node.size
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+def _written_here(store: Any, node: str, seg: int, dir_id: int) -> bool:
+    """Whether object node/seg was written by the NVME directory `dir_id` (or by a version
+    that did not record it): a new NVME directory that took the node over numbers its
+    segments after those it found, so an old directory mounted again finds them above its
+    own, and must not take them for segments of its own that were evicted."""
+    try:
+        head = store.read_range(node, seg, 0, fmt.SEGMENT_HEADER_SIZE)
+    except (OSError, SharedError):
+        return True  # its replay reports what it cannot read
+    other = fmt.segment_dir_id(head)
+    if other and other != dir_id:
+        log.warning("object %s/%s was written by another NVME directory of this node: not "
+                    "replayed", node, fmt.segment_name(seg))
+        return False
+    return True
 
 
 def repair_published_view(nvme: str) -> str:

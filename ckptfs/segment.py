@@ -216,10 +216,16 @@ def verify_data_record(buf: bytes | memoryview, length: int) -> bool:
             and verify_record(buf))
 
 
-def segment_header(seg_id: int, node_id: str, created_ns: int) -> bytes:
+def segment_header(seg_id: int, node_id: str, created_ns: int, dir_id: int = 0) -> bytes:
     node = node_id.encode()[:16]
     head = struct.pack("<8sIIQq16s", SEGMENT_MAGIC, SEGMENT_VERSION, 0, seg_id, created_ns, node)
-    return head + CSUM.pack(xxhash.xxh3_64_intdigest(head)) + bytes(8)
+    return head + CSUM.pack(xxhash.xxh3_64_intdigest(head)) + struct.pack("<Q", dir_id)
+
+
+def segment_dir_id(buf: bytes) -> int:
+    """The NVME directory a segment header says wrote it (its identity's created_ns); 0 if
+    unknown (segments of versions before it was recorded)."""
+    return struct.unpack_from("<Q", buf, 56)[0] if len(buf) >= SEGMENT_HEADER_SIZE else 0
 
 
 def parse_segment_header(buf: bytes, path: str) -> tuple[int, int, str]:

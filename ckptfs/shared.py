@@ -221,6 +221,10 @@ class SharedStore:
         self._known_dirs: set[str] = set()
         self._read_fds = FdCache(256)  # objects being read (a restore reads them again and again)
         self._where: dict[tuple[str, int], str] = {}  # objects found inside a batch directory
+        # node -> ids of its objects this process listed or published: a batch directory's
+        # rename cannot see a name that exists in another one (one name, two contents)
+        self._listed: dict[str, set[int]] = {}
+        self._listed_lock = threading.Lock()
         self.watch = Watch()
 
     def _op(self, name: str, n: int = 1) -> None:
@@ -389,8 +393,22 @@ class SharedStore:
                 os.close(out)
         return size
 
+    def _check_new(self, node: str, segs: list[int]) -> None:
+        """EEXIST if one of these objects was listed or published before (by this process):
+        a batch directory's rename succeeds whatever other batches hold."""
+        with self._listed_lock:
+            known = self._listed.get(node, set())
+            taken = [seg for seg in segs if seg in known]
+        if taken:
+            raise exists_error(f"object {node}/{fmt.segment_name(taken[0])}", node)
+
+    def _note_published(self, node: str, segs: list[int]) -> None:
+        with self._listed_lock:
+            self._listed.setdefault(node, set()).update(segs)
+
     def _put_single(self, node: str, seg: int, src: str, limiter: RateLimiter | None,
                     progress: Callable[[int, int], None] | None) -> int:
+        self._check_new(node, [seg])
         d = self.node_objects(node)
         self._ensure_dir(d)
         dest = os.path.join(d, fmt.segment_name(seg))
@@ -410,6 +428,7 @@ class SharedStore:
             raise
         for op in ops:
             self._op(op)
+        self._note_published(node, [seg])
         self._op("fsync_dir")
         layout.fsync_dir(d)  # ...and the name must be durable before we call it published
         return size
@@ -420,6 +439,7 @@ class SharedStore:
         d = self.node_objects(node)
         self._ensure_dir(d)
         segs = [seg for seg, _src in items]
+        self._check_new(node, segs)
         dname = f"b{min(segs):016x}-{max(segs):016x}"
         tmp = os.path.join(d, f".tmp.{dname}.{os.getpid()}")
         sizes = []
@@ -439,6 +459,7 @@ class SharedStore:
         except BaseException:
             _remove(tmp)  # not left for the next mount to find: the retry copies again
             raise
+        self._note_published(node, segs)
         self._op("fsync_dir")
         layout.fsync_dir(d)
         for seg in segs:
@@ -521,6 +542,8 @@ class SharedStore:
         except FileNotFoundError:
             pass
         self._where.pop((node, seg), None)
+        with self._listed_lock:
+            self._listed.get(node, set()).discard(seg)
         parent = os.path.dirname(path)
         if parent != self.node_objects(node):  # the last object of a batch takes its directory
             self._op("rmdir")
@@ -597,6 +620,8 @@ class SharedStore:
                         seg = int(m.group(1), 16)
                         out.add(seg)
                         self._where[(node, seg)] = os.path.join(d, n, name)
+        with self._listed_lock:
+            self._listed[node] = set(out)
         return sorted(out)
 
     def duplicate_objects(self, node: str) -> dict[int, list[str]]:

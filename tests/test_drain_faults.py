@@ -742,6 +742,9 @@ def test_an_old_nvme_directory_back_after_a_new_one_took_over_never_adopts_its_o
     m = start_node(make_mount, "a", "n0", extra=["--upload-limit", "0.05"],
                    segment_size="1M")
     write_tree(m.mnt, {f"step_2/{i}.bin": blob(f"old{i}", 1_500_000) for i in range(3)})
+    # many records: the old log ends past the new directory's manifest (otherwise its mount
+    # is refused outright: test_an_old_nvme_directory_whose_node_published_past_its_log...)
+    write_tree(m.mnt, {f"small/{i}": b"s" for i in range(150)})
     wait_for(lambda: status(m).get("segments", {}).get("uploading", 0) > 0, 30,
              "an upload to be under way")
     m.kill()
@@ -766,6 +769,33 @@ def test_an_old_nvme_directory_back_after_a_new_one_took_over_never_adopts_its_o
     assert status(m)["segments_uploaded"] == 0, status(m)
     assert {p.name: p.read_bytes() for p in objects(m.shared, "n0")} == published
     m.unmount(timeout=30)
+
+
+def test_an_old_nvme_directory_whose_node_published_past_its_log_is_refused(
+        make_mount: MakeMount) -> None:
+    """A node's NVME directory mounted again after a new one took the node over and published
+    more: it came up with two `run` directories (its own, and the import's), and its drain
+    looped on `duplicate path 'run'`, every wait timing out. Its log ends before the node's
+    newest manifest, which only another directory can have published: refused, one line."""
+    m = start_node(make_mount, "a", "n0")
+    write_tree(m.mnt, {"run/step_1/a": b"1"})
+    wait_published(m.mnt)
+    m.unmount()
+    old = m.nvme.with_name("old-nvme")
+    m.nvme.rename(old)
+    m.nvme.mkdir()
+    m.start()
+    write_tree(m.mnt, {f"run/step_2/{i}": b"2" for i in range(20)})
+    wait_published(m.mnt)
+    m.unmount()
+    before = {p.name: p.read_bytes() for p in (m.shared / "ckptfs").rglob("*") if p.is_file()}
+    res = cli("mount", old, m.shared, m.mnt, *node_args("n0"), check=False)
+    line = assert_one_line_error(res, "an old NVME directory of a node taken over")
+    assert "another NVME directory took the node over" in line, line
+    after = {p.name: p.read_bytes() for p in (m.shared / "ckptfs").rglob("*") if p.is_file()}
+    assert after == before
+    m.start()  # the directory that took over mounts as before
+    assert sorted(os.listdir(m.mnt / "run")) == ["step_1", "step_2"]
 
 
 def test_segment_states_survive_a_sigkill_in_an_idle_period(make_mount: MakeMount) -> None:
