@@ -190,23 +190,34 @@ def open_state(nvme: str, node_id: str, segment_size: int, full_replay: bool = F
         from ckptfs.gc import restore_snapshot
 
         from_snapshot = restore_snapshot(nvme, index_dir)
-        if not from_snapshot:  # rebuilt from the log whole: nothing of the old one is read,
-            shutil.rmtree(index_dir, ignore_errors=True)  # so damage in it cannot stop us
-    try:
-        index = Index(index_dir)
-    except lmdb.Error as e:
-        raise CliError(f"the index {index_dir} cannot be read ({type(e).__name__}: {e}); "
-                       + ("its snapshot is damaged too" if from_snapshot else
-                          f"rebuild it from the log with `ckptfs replay {nvme}`")) from None
+    # a full replay from the first segment reads nothing of the old index: one LMDB cannot
+    # read is replaced by an empty one (the old one's pages are reused otherwise: a new file
+    # made the replay of a cold log twice as slow)
+    from_scratch = full_replay and not from_snapshot
     seglog = SegmentLog(os.path.join(nvme, layout.SEGMENT_DIR), node_id, segment_size, dir_id)
-    started_empty = index.applied == (0, 0, 0)  # index lost, or a full replay from scratch
-    try:
-        rep = replay(index, seglog, full=full_replay and not from_snapshot, store=store,
-                     node=node_id, first_seg=first_seg, dir_id=dir_id)
-    except lmdb.Error as e:  # a damaged page met on the way
-        seglog.close()
-        raise CliError(f"the index {index_dir} is damaged ({type(e).__name__}: {e}); "
-                       f"rebuild it from the log with `ckptfs replay {nvme}`") from None
+    for attempt in (1, 2):
+        index = None
+        try:
+            index = Index(index_dir)
+            started_empty = full_replay or index.applied == (0, 0, 0)
+            rep = replay(index, seglog, full=from_scratch, store=store, node=node_id,
+                         first_seg=first_seg, dir_id=dir_id)
+            break
+        except lmdb.Error as e:  # damaged: at the open, or a page met on the way
+            if index is not None:
+                try:
+                    index.close(commit=False)
+                except lmdb.Error:
+                    pass
+            if from_scratch and attempt == 1:
+                log.warning("the index %s cannot be read (%s: %s): rebuilding it in a new "
+                            "file", index_dir, type(e).__name__, e)
+                shutil.rmtree(index_dir, ignore_errors=True)
+                continue
+            seglog.close()
+            raise CliError(f"the index {index_dir} cannot be read ({type(e).__name__}: {e}); "
+                           + ("its snapshot is damaged too" if from_snapshot else
+                              f"rebuild it from the log with `ckptfs replay {nvme}`")) from None
     rep.from_snapshot = from_snapshot
     if (from_snapshot or started_empty) and store is not None:
         # the segment states are the snapshot's, or replay's own (SEALED): a published
