@@ -59,25 +59,23 @@ def nonzero_float(text: str) -> float:
     return v
 
 
-def count(text: str) -> int:
-    """A count where 0 means none or off."""
+def _whole(text: str, lowest: int, why: str) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    if v < lowest:
+        raise argparse.ArgumentTypeError(f"{why}: {text!r}")
     return v
+
+
+def count(text: str) -> int:
+    """A count where 0 means none or off."""
+    return _whole(text, 0, "must not be negative")
 
 
 def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return v
+    return _whole(text, 1, "must be at least 1")
 
 
 # --- replay / status --------------------------------------------------------------------

@@ -599,17 +599,19 @@ class SharedStore:
         return sorted(int(m.group(1), 16) for n in names if (m := MAN_RE.match(n)))
 
     @watched("listing")
-    def list_objects(self, node: str) -> list[int]:
-        """node's object ids, those in batch directories included."""
+    def _object_paths(self, node: str) -> dict[int, list[str]]:
+        """Every path of each of node's objects: beside the batch directories and in them."""
         self._op("listdir")
         d = self.node_objects(node)
         try:
             names = os.listdir(d)
         except FileNotFoundError:
-            return []
-        out = {int(m.group(1), 16) for n in names if (m := OBJ_RE.match(n))}
+            return {}
+        out: dict[int, list[str]] = {}
         for n in names:
-            if BATCH_RE.match(n):
+            if (m := OBJ_RE.match(n)):
+                out.setdefault(int(m.group(1), 16), []).append(os.path.join(d, n))
+            elif BATCH_RE.match(n):
                 self._op("listdir")
                 try:
                     inner = os.listdir(os.path.join(d, n))
@@ -617,35 +619,27 @@ class SharedStore:
                     continue
                 for name in inner:
                     if (m := OBJ_RE.match(name)):
-                        seg = int(m.group(1), 16)
-                        out.add(seg)
-                        self._where[(node, seg)] = os.path.join(d, n, name)
+                        out.setdefault(int(m.group(1), 16), []).append(os.path.join(d, n, name))
+        return out
+
+    def list_objects(self, node: str) -> list[int]:
+        """node's object ids, those in batch directories included."""
+        paths = self._object_paths(node)
+        top = self.node_objects(node)
+        for seg, found in paths.items():
+            batched = [p for p in found if os.path.dirname(p) != top]
+            if batched:
+                self._where[(node, seg)] = batched[-1]
         with self._listed_lock:
-            self._listed[node] = set(out)
-        return sorted(out)
+            self._listed[node] = set(paths)
+        return sorted(paths)
 
     def duplicate_objects(self, node: str) -> dict[int, list[str]]:
         """node's object ids found in more than one place (beside the batch directories and
         in them, or in two batches), with their paths: an object name must have one content,
         and readers take whichever they list last."""
-        d = self.node_objects(node)
-        seen: dict[int, list[str]] = {}
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return {}
-        for n in names:
-            if (m := OBJ_RE.match(n)):
-                seen.setdefault(int(m.group(1), 16), []).append(os.path.join(d, n))
-            elif BATCH_RE.match(n):
-                try:
-                    inner = os.listdir(os.path.join(d, n))
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                for name in inner:
-                    if (m := OBJ_RE.match(name)):
-                        seen.setdefault(int(m.group(1), 16), []).append(os.path.join(d, n, name))
-        return {seg: sorted(paths) for seg, paths in seen.items() if len(paths) > 1}
+        return {seg: sorted(found) for seg, found in self._object_paths(node).items()
+                if len(found) > 1}
 
     @watched("listing")
     def all_object_nodes(self) -> list[str]:

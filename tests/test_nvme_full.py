@@ -8,16 +8,18 @@ nothing can be evicted to make room). Both are unmounted in a `finally`, after t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import random
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from mounting import MakeMount, check_errno, run_cli
+from mounting import MakeMount, Mount, check_errno, run_cli
 
 
 def sh(*cmd: str) -> None:
@@ -30,6 +32,20 @@ def umount(target: Path) -> None:
                       timeout=30).returncode != 0:
         subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True,
                        timeout=30)
+
+
+@contextlib.contextmanager
+def on_small_disks(m: Mount, nvme: str, shared: str) -> Iterator[Mount]:
+    """`m` (not started) with NVME and SHARED on tmpfs filesystems of these sizes, all of it
+    torn down afterwards whatever happens."""
+    sh("mount", "-t", "tmpfs", "-o", f"size={nvme},mode=0755", "tmpfs", str(m.nvme))
+    sh("mount", "-t", "tmpfs", "-o", f"size={shared},mode=0755", "tmpfs", str(m.shared))
+    try:
+        yield m
+    finally:
+        m.teardown()
+        umount(m.nvme)
+        umount(m.shared)
 
 
 def write_until_full(mnt: Path, rnd: random.Random) -> tuple[dict[str, bytes], OSError]:
@@ -167,10 +183,8 @@ def test_deleting_unpublished_files_on_a_full_nvme_makes_room_within_seconds(
     published has no other node to wait for: writers got ENOSPC for over a minute."""
     import time
 
-    m = make_mount(start=False, extra_args=("--enospc-timeout", "1"), segment_size="4M")
-    sh("mount", "-t", "tmpfs", "-o", "size=48m,mode=0755", "tmpfs", str(m.nvme))
-    sh("mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(m.shared))
-    try:
+    with on_small_disks(make_mount(start=False, extra_args=("--enospc-timeout", "1"),
+                                   segment_size="4M"), "48m", "2m") as m:
         m.start()
         done, err = write_until_full(m.mnt, random.Random(3))
         check_errno(err, errno.ENOSPC)
@@ -191,7 +205,3 @@ def test_deleting_unpublished_files_on_a_full_nvme_makes_room_within_seconds(
         print(f"room for 8 MiB {time.monotonic() - t0:.1f} s after the deletes")
         assert (m.mnt / "after").read_bytes() == data
         m.unmount()
-    finally:
-        m.teardown()
-        umount(m.nvme)
-        umount(m.shared)
