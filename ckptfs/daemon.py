@@ -28,8 +28,7 @@ from ckptfs.drain import Drain
 from ckptfs.gc import Collector
 from ckptfs.retention import Retention, RetentionConfig
 from ckptfs.drain import PUBLISHED_DIR
-from ckptfs.index import (VSEG_BIT, ROOT_INO, Extent, Index, IndexCommitError, SegState,
-                          read_applied)
+from ckptfs.index import VSEG_BIT, ROOT_INO, Index, IndexCommitError, SegState, read_applied
 from ckptfs.remote import Refresher, fetch_manifests
 from ckptfs.shared import (ANSWER_TIMEOUT, PUBLISH_BATCH, SharedError, SharedStore,
                            check_node_id, describe_oserror, describe_stall, open_store)
@@ -789,31 +788,13 @@ class Daemon:
         out = []
         for path, hit in found:
             for e in hit:
-                if not await self._published_copy_ok(e):
+                # SHARED may have a good copy (published before the damage); a hung NAS:
+                # the wait's caller gives up (its timeout), the thread is left to it
+                if await trio.to_thread.run_sync(self.reader.shared_copy, e,
+                                                 abandon_on_cancel=True) is None:
                     out.append(path)
                     break
         return sorted(out)
-
-    async def _published_copy_ok(self, e: "Extent") -> bool:
-        """Whether the object on SHARED of this node's segment holds the record of extent `e`
-        intact (it was published before the local copy was damaged), whatever the segment's
-        state says (a full replay makes every segment SEALED again until the drain finds its
-        object)."""
-        from ckptfs import segment as fmt
-
-        if e.seg & VSEG_BIT:  # another node's object: the read that found it read SHARED
-            return False
-
-        def check() -> bool:
-            try:
-                whole = self.store.read_range(self.cfg.node_id, e.seg, e.rec_pos,
-                                              fmt.RECORD_HEADER_SIZE + e.rec_len)
-            except (OSError, SharedError):  # not published (yet), or on the cold tier
-                return False
-            return fmt.verify_data_record(whole, e.rec_len)
-
-        # a hung NAS: the wait's caller gives up (its timeout), the thread is left to it
-        return await trio.to_thread.run_sync(check, abandon_on_cancel=True)
 
     def _resolve(self, rel: str) -> int:
         """The inode at a path relative to the mount root (ENOENT -> ValueError)."""

@@ -296,6 +296,18 @@ class Reader:
         self._remember(e, whole)
         return memoryview(whole)[start:start + n]
 
+    def shared_copy(self, e: Extent) -> memoryview | None:
+        """(Blocking) the record of this node's extent `e` from its segment's object on SHARED
+        if it is there and verifies, whatever the segment's state says (a full replay calls
+        every segment SEALED until the drain finds its object); else None."""
+        if e.seg & VSEG_BIT or self.remote is None:
+            return None
+        try:
+            data = self.remote.read_range(self.node, e.seg, e.rec_pos, HDR + e.rec_len)
+        except (OSError, SharedError):  # not published (yet), or on the cold tier
+            return None
+        return memoryview(data) if fmt.verify_data_record(data, e.rec_len) else None
+
     def _published_copy(self, e: Extent, cached_only: bool) -> memoryview | None:
         """A record damaged on local disk, from this node's object on SHARED if it was
         published before the damage (verified there); None if it is not there, or damaged
@@ -305,17 +317,14 @@ class Reader:
             return None
         if cached_only:
             raise _NotCached  # the shared store: not on the trio thread
-        try:
-            data = self.remote.read_range(self.node, e.seg, e.rec_pos, HDR + e.rec_len)
-        except (OSError, SharedError):
-            return None
-        if not fmt.verify_data_record(data, e.rec_len):
+        data = self.shared_copy(e)
+        if data is None:
             return None
         with self._lock:
             self.healed_reads += 1
         log.warning("segment %s record at offset %d is damaged on local disk: served from "
                     "the shared store's copy", fmt.segment_name(e.seg), e.rec_pos)
-        return memoryview(data)
+        return data
 
     def _corrupt(self, e: Extent) -> None:
         with self._lock:
