@@ -636,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print as JSON")
     ls.add_argument("--files", action="store_true", help="list every published entry")
     ls.add_argument("--nodes", type=count, default=0, metavar="N",
-                    help="a checkpoint is complete only when N nodes published parts of it")
+                    help="a checkpoint is complete only when its files hold data of N nodes")
     ls.add_argument("--retain", action="append", metavar="GLOB", type=name_glob,
                     help="checkpoint directory name globs (default step_*, step-*, "
                          "checkpoint-*, global_step*, iter_*)")

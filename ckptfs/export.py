@@ -291,7 +291,8 @@ def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
     MAX_DEPTH levels, not inside another), with completeness.
 
     Complete = a commit marker is published (inside the directory, or a `latest` beside it
-    naming it) and, with nodes_required=N, at least N nodes published files under it."""
+    naming it) and, with nodes_required=N, the files under it hold data of at least N nodes
+    (the nodes whose objects their extents name; an empty file counts its owner)."""
     import fnmatch
 
     from ckptfs.retention import checkpoint_of
@@ -314,8 +315,11 @@ def checkpoints(view: View, retain: tuple[str, ...], markers: tuple[str, ...],
                 t = view.resolver.tiers.get(x[2], "shared") if view.resolver else "shared"
                 if t not in c.tiers:
                     c.tiers.append(t)
-            if node not in c.nodes:
-                c.nodes.append(node)
+            # the nodes whose bytes it holds: a file another node renamed into place (HF's
+            # tmp-checkpoint-N) is that node's entry now, but still the writer's data
+            for w in {x[2].split("/", 1)[0] for x in e.extents} or (node,):
+                if w not in c.nodes:
+                    c.nodes.append(w)
             rest = path[len(top) + 1:]
             if path != top and "/" not in rest and \
                     any(fnmatch.fnmatchcase(rest, g) for g in markers):

@@ -90,7 +90,7 @@ class RetentionConfig:
     keep_shared: int = 0  # 0 = keep everything
     cold: bool = False  # a cold tier is configured: the band after keep_shared moves there
     keep_cold: int = 0  # 0 = keep everything on the cold tier
-    # --nodes N: a checkpoint counts as complete only once files of N nodes are in it (this
+    # --nodes N: a checkpoint counts as complete only once its files hold data of N nodes (this
     # node's own, and other nodes' imported from their published manifests)
     nodes: int = 0
 
@@ -246,22 +246,36 @@ class Retention:
         return node is not None and now_ns - node.ctime_ns < IN_PROGRESS * 1e9
 
     def _enough_nodes(self, ino: int) -> bool:
-        """With --nodes N (N > 1): whether files of N nodes are in checkpoint `ino`. Without
+        """With --nodes N (N > 1): whether checkpoint `ino`'s files hold data of N nodes. Without
         it a marker written here would let retention delete the checkpoint before while the
         other nodes' parts of this one are not on SHARED yet: were one of them to lose its
         NVMe then, no whole checkpoint would be left. Walked until it holds (files do not
         leave a checkpoint that has them all), then remembered."""
         if self.cfg.nodes <= 1 or ino in self._all_nodes:
             return True
-        me = self.ns.log.node_id
         nodes: set[str] = set()
         for f in self._files_in(ino):
-            origin = self.ns.index.origin(f)
-            nodes.add(origin["node"] if origin else me)
+            nodes.add(self._writer(f))
             if len(nodes) >= self.cfg.nodes:
                 self._all_nodes.add(ino)
                 return True
         return False
+
+    def _writer(self, f: int) -> str:
+        """The node whose bytes file `f` holds, by its first extent: the node that wrote it,
+        even after another node renamed it into place (HF's tmp-checkpoint-N, renamed by the
+        node of rank 0, is that node's entry but every node's data). An empty file is its
+        owner's."""
+        idx = self.ns.index
+        first = next(idx.iter_extents(f), None)
+        if first is not None:
+            if not first.seg & VSEG_BIT:
+                return self.ns.log.node_id
+            ref = idx.objref(first.seg)
+            if ref is not None:
+                return ref[0]
+        origin = idx.origin(f)
+        return origin["node"] if origin else self.ns.log.node_id
 
     def _marker_time(self, ino: int) -> int | None:
         """When the checkpoint in directory `ino` was completed: the newest time of its commit

@@ -899,3 +899,33 @@ def test_with_nodes_n_retention_counts_a_checkpoint_complete_once_n_nodes_are_in
     wait_for(lambda: not (a.mnt / "step_1").exists(), SEEN_WITHIN + 5,
              "A's retention to delete step_1 once B's part of step_2 is in")
     assert (a.mnt / "step_2" / "__1_0.distcp").read_bytes() == blob("b2", 200_000)
+
+
+def test_with_nodes_n_a_checkpoint_one_node_renamed_into_place_counts_every_writer(
+        make_mount: MakeMount) -> None:
+    """HF's multi-node pattern with --nodes 2: each node writes its shard into
+    tmp-checkpoint-S, then node 0 renames it to checkpoint-S. The renamed directory is node
+    0's (every file of it), but node 1's shard is still node 1's bytes: the checkpoint is
+    complete (`ls --nodes 2`, retention), and --keep-shared 1 deletes checkpoint-1 once
+    checkpoint-2 is in. Counting the nodes that own the entries, checkpoint-S looked 1/2
+    complete for good and retention never deleted anything."""
+    a = start_node(make_mount, "a", "n0", extra=["--nodes", "2", "--keep-shared", "1"])
+    b = start_node(make_mount, "b", "n1", shared=a.shared)
+    for step in (1, 2):
+        theirs = blob(f"b{step}", 200_000)
+        write_tree(b.mnt, {f"tmp-checkpoint-{step}/shard1": theirs})
+        wait_published(b.mnt / f"tmp-checkpoint-{step}")
+        status(a, refresh=True)
+        assert (a.mnt / f"tmp-checkpoint-{step}/shard1").read_bytes() == theirs
+        write_tree(a.mnt, {f"tmp-checkpoint-{step}/shard0": blob(f"a{step}", 200_000),
+                           f"tmp-checkpoint-{step}/trainer_state.json": b"{}"})
+        os.rename(a.mnt / f"tmp-checkpoint-{step}", a.mnt / f"checkpoint-{step}")
+        wait_published(a.mnt / f"checkpoint-{step}")
+        if step == 1:
+            table = json.loads(cli("ls", a.shared, "--nodes", "2", "--json").stdout)
+            c1 = {c["name"]: c for c in table}["checkpoint-1"]
+            assert sorted(c1["nodes"]) == ["n0", "n1"] and c1["complete"], c1
+    wait_for(lambda: not (a.mnt / "checkpoint-1").exists(), SEEN_WITHIN,
+             "A's retention to delete checkpoint-1 once checkpoint-2 (n0 and n1) is in")
+    assert (a.mnt / "checkpoint-2/shard1").read_bytes() == blob("b2", 200_000)
+    assert_fsck_clean(a.shared)
