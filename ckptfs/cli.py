@@ -247,8 +247,12 @@ def cmd_gc(a: argparse.Namespace) -> int:
 def cmd_wait(a: argparse.Namespace) -> int:
     from ckptfs import api
 
-    if not os.path.exists(a.path):
-        raise CliError(f"{a.path}: no such file or directory")
+    try:
+        os.stat(a.path)
+    except FileNotFoundError:
+        raise CliError(f"{a.path}: no such file or directory") from None
+    except OSError:
+        pass  # a dead mount (ENOTCONN) or no access: find_socket says which
     try:
         with progress(f"waiting for {a.path}") as update:
             seq = api.wait(a.path, timeout=a.timeout, on_progress=update)
@@ -748,11 +752,18 @@ def mount_helper(argv: list[str] | None = None) -> int:
     return main(cmd)
 
 
+class _CliFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"ckptfs: {record.levelname.lower()}: {record.getMessage()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, format="ckptfs: %(levelname)s: %(message)s")
+    if not logging.getLogger().handlers:  # `ckptfs: warning: ...`, as the CLI's own lines
+        handler = logging.StreamHandler()
+        handler.setFormatter(_CliFormatter())
+        logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         return int(a.func(a) or 0)
     except CliError as e:

@@ -11,6 +11,7 @@ final reply of long requests.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -77,14 +78,25 @@ def find_socket(path: str) -> tuple[str, str]:
     """(socket path, path relative to the mount root) for any path inside a ckptfs mount."""
     p = os.path.realpath(path)
     probe = p
+    dead = denied = None  # the topmost path of a mount whose daemon is gone; the first denied
     while True:
         try:
             sock = os.getxattr(probe, "user.ckptfs.control")
             break
-        except OSError:
-            pass
+        except OSError as e:
+            if e.errno == errno.ENOTCONN:
+                dead = probe
+            elif e.errno == errno.EACCES and denied is None:
+                denied = probe
         parent = os.path.dirname(probe)
         if parent == probe:
+            if dead is not None:
+                raise ControlError(f"{dead} is a dead ckptfs mount (its daemon is gone): mount "
+                                   f"it again with `ckptfs mount` (nothing that returned is "
+                                   f"lost; docs/troubleshooting.md)")
+            if denied is not None:
+                raise ControlError(f"{path}: permission denied at {denied}; ask as the user "
+                                   f"who mounted it (or root)")
             raise ControlError(f"{path} is not inside a ckptfs mount")
         probe = parent
     # walk up to the mount root: the xattr is served only there, so probe is the root

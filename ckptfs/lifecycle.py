@@ -154,6 +154,13 @@ def _within(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
 
 
+def _same_store(x: str, y: str) -> bool:
+    """Two SHARED or cold-tier locations name the same store (symlinks resolved)."""
+    if x.startswith("s3://") or y.startswith("s3://"):
+        return x.rstrip("/") == y.rstrip("/")
+    return os.path.realpath(x) == os.path.realpath(y)
+
+
 def cmd_mount(a: argparse.Namespace) -> int:
     from ckptfs.cache import CacheConfig
     from ckptfs.daemon import MountConfig, run_foreground
@@ -244,11 +251,25 @@ def cmd_mount(a: argparse.Namespace) -> int:
         except SharedError as e:
             raise CliError(f"cold tier {e}") from None
     # after the probes: resolving a path on a hung NAS would hang
-    for what, d in (("NVME", nvme), ("SHARED", shared), ("--cold", a.cold or "")):
+    stores = (("NVME", nvme), ("SHARED", shared), ("--cold", a.cold or ""))
+    for what, d in stores:
         if d and not d.startswith("s3://") and _within(d, mnt):
             # the daemon would reach its own files through its own mount, and wait for itself
             raise CliError(f"{what} {d} is inside MOUNTPOINT {mnt}: the mount would hide it "
                            f"from the daemon; put it outside the mount point")
+    if _within(mnt, nvme):  # NVME is ckptfs's own: its segments, index, lock, log
+        raise CliError(f"MOUNTPOINT {mnt} is inside NVME {nvme}, ckptfs's own directory: the "
+                       f"mount could hide the daemon's files from it; put it outside")
+    for what, d in stores[1:]:
+        if d and not d.startswith("s3://") and \
+                _within(mnt, os.path.join(d, layout.SHARED_ROOT)):
+            raise CliError(f"MOUNTPOINT {mnt} is inside {what}'s store "
+                           f"{os.path.join(d, layout.SHARED_ROOT)}: the mount would hide it "
+                           f"from the daemon; put it elsewhere")
+    if a.cold and _same_store(a.cold, shared):
+        # a move to the cold tier deletes the shared copy: here, the only one
+        raise CliError(f"--cold {a.cold} is SHARED itself: the cold tier must be another "
+                       f"store (moving a checkpoint there deletes its copy on SHARED)")
     if a.node_id:
         cfg.node_id = a.node_id
     try:

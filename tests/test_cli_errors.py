@@ -159,6 +159,41 @@ def test_a_directory_inside_the_mount_point_is_refused(cli_cleanup: Path, inside
     wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
 
 
+@pytest.mark.parametrize("where", ["nvme", "nvme/segments", "shared/ckptfs",
+                                   "shared/ckptfs/objects", "cold/ckptfs"])
+def test_a_mount_point_that_would_hide_a_store_of_its_own_is_refused(cli_cleanup: Path,
+                                                                      where: str) -> None:
+    """The other way round: MOUNTPOINT inside NVME, or over the store SHARED or the cold tier
+    keeps (SHARED/ckptfs). The mount came up, hid the daemon's segments or objects from it,
+    and its drain failed for good (`wait` and `umount` never returned)."""
+    root = cli_cleanup
+    nvme, shared, cold = dirs(root, "nvme", "shared", "cold")
+    (mnt,) = dirs(root, where + "/mnt")
+    res = run_cli("mount", nvme, shared, mnt, "--cold", cold, "--keep-shared", "1",
+                  timeout=60)
+    line = assert_error_line(res, "inside", "mountpoint")
+    assert str(mnt) in line, line
+    assert fuse_mounts_under(root) == []
+    wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
+
+
+@pytest.mark.parametrize("link", [False, True], ids=["same", "symlink"])
+def test_a_cold_tier_that_is_shared_itself_is_refused(cli_cleanup: Path, link: bool) -> None:
+    """--cold SHARED: a move to the cold tier took the shared object for the cold copy, then
+    deleted "the shared copy", the only one: older checkpoints read EIO and export failed."""
+    root = cli_cleanup
+    nvme, shared, mnt = dirs(root, "nvme", "shared", "mnt")
+    cold = shared
+    if link:
+        cold = root / "cold-link"
+        cold.symlink_to(shared)
+    res = run_cli("mount", nvme, shared, mnt, "--cold", cold, "--keep-shared", "1",
+                  timeout=60)
+    assert_error_line(res, "cold", "shared")
+    assert fuse_mounts_under(root) == []
+    wait_for(lambda: no_daemon_for(root), 10, "no daemon to be left")
+
+
 def test_paths_with_spaces_and_non_ascii_names(cli_cleanup: Path) -> None:
     """/proc/mounts holds a path's bytes as they are (only space, tab, newline and backslash
     escaped): `mount` read them back mangled, never saw its mount come up, and failed with
@@ -278,6 +313,23 @@ def test_stale_mount_is_cleaned_up_and_remounted(make_mount: MakeMount, cli_clea
     assert res.rc == 0, str(res)
     assert not is_mounted(m.mnt, None)
     assert no_daemon_for(m.mnt), "ckptfs umount returned before the daemon exited"
+
+
+def test_status_and_wait_on_a_dead_mount_name_it(make_mount: MakeMount) -> None:
+    """After a SIGKILL of the daemon, `status` said "not inside a ckptfs mount" and `wait`
+    "no such file or directory" (as if the data were gone): both now name the dead mount
+    and the fix, and the Python API raises the same."""
+    m = make_mount()
+    (m.mnt / "step_1").mkdir()
+    (m.mnt / "step_1" / "f").write_bytes(b"x")
+    m.kill()
+    for args in (("status", m.mnt), ("wait", m.mnt / "step_1"), ("wait", m.mnt)):
+        line = assert_error_line(run_cli(*args), "dead", "ckptfs mount")
+        assert str(m.mnt) in line, line
+    import ckptfs
+
+    with pytest.raises(ckptfs.CkptfsError, match="dead ckptfs mount"):
+        ckptfs.status(m.mnt / "step_1")
 
 
 @pytest.mark.parametrize("drain", [True, False], ids=["drain", "no-drain"])
