@@ -5,9 +5,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import shutil
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -19,31 +19,38 @@ import lmdb
 import pyfuse3
 import trio
 
-from ckptfs import control, layout
-from ckptfs.errors import CliError, FsError
-from ckptfs.fs import Operations
+from ckptfs import control, knobs, layout
 from ckptfs.cache import CacheConfig, LocalCache
 from ckptfs.coldtier import ColdTier, Tiered
-from ckptfs.drain import Drain
+from ckptfs.drain import PUBLISHED_DIR, Drain
+from ckptfs.errors import CliError, FsError
+from ckptfs.fs import Operations
 from ckptfs.gc import Collector
-from ckptfs.retention import Retention, RetentionConfig
-from ckptfs.drain import PUBLISHED_DIR
-from ckptfs.index import VSEG_BIT, ROOT_INO, Index, IndexCommitError, SegState, read_applied
-from ckptfs.remote import Refresher, fetch_manifests
-from ckptfs.shared import (ANSWER_TIMEOUT, PUBLISH_BATCH, SharedError, SharedStore,
-                           check_node_id, describe_oserror, describe_stall, open_store)
+from ckptfs.index import ROOT_INO, VSEG_BIT, Index, IndexCommitError, SegState, read_applied
 from ckptfs.log import PIPELINE, SegmentLog
 from ckptfs.namespace import Namespace
 from ckptfs.reads import Reader
 from ckptfs.recovery import replay
+from ckptfs.remote import Refresher, fetch_manifests
+from ckptfs.retention import Retention, RetentionConfig
+from ckptfs.shared import (
+    ANSWER_TIMEOUT,
+    PUBLISH_BATCH,
+    SharedError,
+    SharedStore,
+    check_node_id,
+    describe_oserror,
+    describe_stall,
+    open_store,
+)
 
 log = logging.getLogger(__name__)
 DEFRAG_INTERVAL = 1.0  # seconds between looks for files that small writes fragmented
 # once unmounted, the daemon waits this long (s) for a shared store that has stopped
 # answering before it exits without it, as a SIGKILL would leave things
-EXIT_GRACE = float(os.environ.get("CKPTFS_EXIT_GRACE", "5"))
+EXIT_GRACE = knobs.number("CKPTFS_EXIT_GRACE", 5.0, "seconds")
 # seconds between periodic GC passes (tests shorten it; `ckptfs gc` runs one at once)
-GC_INTERVAL = float(os.environ.get("CKPTFS_GC_INTERVAL", "15"))
+GC_INTERVAL = knobs.number("CKPTFS_GC_INTERVAL", 15.0, "seconds", 0.01)
 
 
 @dataclass

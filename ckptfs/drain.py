@@ -33,11 +33,17 @@ from typing import Any, Callable
 
 import trio
 
-from ckptfs import manifest
+from ckptfs import knobs, manifest
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState
-from ckptfs.shared import (PUBLISH_BATCH, RateLimiter, SharedError, SharedStore,
-                           describe_oserror, describe_stall)
+from ckptfs.shared import (
+    PUBLISH_BATCH,
+    RateLimiter,
+    SharedError,
+    SharedStore,
+    describe_oserror,
+    describe_stall,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +53,7 @@ MANIFEST_RECHECK = 0.5  # s between looks at an owed manifest (writers quiet? in
 # The published view commits after this many records, even inside a segment: an LMDB write
 # transaction holds every page it dirtied in memory until it commits (a batch of segments
 # importing 350,000 files held ~150 MB)
-VIEW_COMMIT_RECORDS = int(os.environ.get("CKPTFS_VIEW_COMMIT_RECORDS", "50000"))
+VIEW_COMMIT_RECORDS = knobs.number("CKPTFS_VIEW_COMMIT_RECORDS", 50000, "records", 1)
 
 
 @dataclass

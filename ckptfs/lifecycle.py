@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ckptfs import layout
+from ckptfs import knobs, layout
 from ckptfs.errors import CliError
 from ckptfs.shared import SharedError, answers, check_node_id, describe_stall
 
@@ -450,7 +450,7 @@ class progress:
     otherwise block without a word), or when the shared store has not answered for a while
     (a hung NAS fails nothing: its calls just block), and one when it works again."""
 
-    notice_after = float(os.environ.get("CKPTFS_WAIT_NOTICE_AFTER", "10"))
+    notice_after = knobs.number("CKPTFS_WAIT_NOTICE_AFTER", 10.0, "seconds")
 
     def __init__(self, label: str):
         self.label = label
@@ -492,8 +492,13 @@ class progress:
 
     def __enter__(self) -> Callable[[dict], None]:
         if sys.stderr.isatty():
-            from rich.progress import (BarColumn, DownloadColumn, Progress,
-                                       TimeRemainingColumn, TransferSpeedColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
 
             self.bar = Progress("[bold]{task.description}", BarColumn(), DownloadColumn(),
                                 TransferSpeedColumn(), TimeRemainingColumn(), transient=True)

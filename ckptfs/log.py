@@ -29,21 +29,22 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ckptfs import knobs
 from ckptfs import segment as fmt
-from ckptfs.segment import RecType, Record
+from ckptfs.segment import Record, RecType
 
 log = logging.getLogger(__name__)
 
-GROUP_YIELDS = int(os.environ.get("CKPTFS_GROUP_YIELDS", "2"))
+GROUP_YIELDS = knobs.number("CKPTFS_GROUP_YIELDS", 2, "yields")
 RATE_WINDOW = 0.5
 # WRITE/RELOC payloads this big go to the disk with O_DIRECT (0 = never)
-DIRECT_MIN = int(os.environ.get("CKPTFS_DIRECT_MIN", str(128 << 10)))
+DIRECT_MIN = knobs.number("CKPTFS_DIRECT_MIN", 128 << 10, "bytes")
 ALIGN = 4096  # file offsets, lengths and buffer addresses of direct writes
 # the daemon lets data records complete on the writer thread (0: the trio thread writes them)
 PIPELINE = os.environ.get("CKPTFS_PIPELINE", "1") != "0"
 PIPELINE_DEPTH = 8  # data records queued for the writer thread at most
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
-QUEUE_MIN = int(os.environ.get("CKPTFS_QUEUE_MIN", str(64 << 10)))
+QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 64 << 10, "bytes")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 
 

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from ckptfs import knobs
 from ckptfs import segment as fmt
 from ckptfs.errors import FsError
 from ckptfs.index import ROOT_INO, VSEG_BIT, Extent, Index, Inode, SegState
 from ckptfs.log import SegmentLog
 from ckptfs.reads import Reader
-from ckptfs.segment import RecType, Record
+from ckptfs.segment import Record, RecType
 
 log = logging.getLogger(__name__)
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")  # system.* ACLs: fs.py
@@ -51,10 +52,10 @@ DEFRAG_TRACKED = 8192  # files whose small writes are counted at once (memory bo
 # A file read sequentially has its next local records asked of the disk this far ahead: its
 # records sit between other files' in the segments, which the kernel's readahead of a segment
 # cannot know, so without this every record is a synchronous disk read on the trio thread.
-READ_AHEAD = int(os.environ.get("CKPTFS_READ_AHEAD", str(8 << 20)))
+READ_AHEAD = knobs.number("CKPTFS_READ_AHEAD", 8 << 20, "bytes")
 READ_AHEAD_FIRST = 1 << 20  # the local window a newly sequential file starts with, doubling
 # ... and its records on the shared store this far ahead (into the reader's bounded cache)
-REMOTE_READ_AHEAD = int(os.environ.get("CKPTFS_REMOTE_READ_AHEAD", str(2 << 20)))
+REMOTE_READ_AHEAD = knobs.number("CKPTFS_REMOTE_READ_AHEAD", 2 << 20, "bytes")
 READ_AHEAD_TRACKED = 4096  # files whose read position is remembered at once
 DEFRAG_RUN_EXTENTS = 256  # per merged record (so < 1 MiB); one step: ~5 ms of the trio thread
 

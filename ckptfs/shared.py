@@ -34,8 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, TypeVar
 
-
-from ckptfs import layout
+from ckptfs import knobs, layout
 from ckptfs import segment as fmt
 from ckptfs.fdcache import FdCache
 
@@ -47,7 +46,7 @@ COPY_CHUNK = 16 << 20
 PUBLISH_BATCH = 16  # default --publish-batch: segments per batch directory
 # a shared store that has not answered for this long (s) while a command that cannot go on
 # without it waits (the mount's first look at it, ls, export, fsck) is reported as an error
-ANSWER_TIMEOUT = float(os.environ.get("CKPTFS_SHARED_TIMEOUT", "30"))
+ANSWER_TIMEOUT = knobs.number("CKPTFS_SHARED_TIMEOUT", 30.0, "seconds")
 READ_CHUNK = 1 << 20  # manifests are read this much at a time (each chunk is an answer)
 
 

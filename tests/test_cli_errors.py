@@ -491,6 +491,32 @@ def test_usage_errors_exit_2(args: list[str], console: bool) -> None:
         f"last stderr line should be `ckptfs ...: error: ...` (also under python -m): {res}")
 
 
+def test_a_malformed_tuning_variable_is_one_warning_not_a_traceback(
+        cli_cleanup: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CKPTFS_SHARED_TIMEOUT=30s (the knob for a hung NAS, with a unit) crashed every command
+    at import time, `--help` and `umount` included; the others crashed `mount`. Each is now
+    one warning line, the default is used, and the command works."""
+    bad = {"CKPTFS_SHARED_TIMEOUT": "30s", "CKPTFS_READ_AHEAD": "8M", "CKPTFS_EXIT_GRACE": "-1",
+           "CKPTFS_GROUP_YIELDS": "two"}
+    for k, v in bad.items():
+        monkeypatch.setenv(k, v)
+    res = run_cli("--help")
+    assert res.rc == 0 and "Traceback" not in res.err, str(res)
+    assert res.err.strip() == ("ckptfs: warning: ignoring CKPTFS_SHARED_TIMEOUT='30s': not a "
+                               "number of seconds of at least 0; using 30.0"), res.err
+    nvme, shared, mnt = dirs(cli_cleanup, "nvme", "shared", "mnt")
+    res = run_cli("mount", nvme, shared, mnt)
+    assert res.rc == 0 and "Traceback" not in res.err, str(res)
+    warnings = res.err.strip().splitlines()
+    assert len(warnings) == len(bad), res.err
+    for k, v in bad.items():
+        assert any(w.startswith(f"ckptfs: warning: ignoring {k}={v!r}") for w in warnings), k
+    (mnt / "f").write_bytes(b"data")
+    res = run_cli("umount", mnt)
+    assert res.rc == 0 and "Traceback" not in res.err, str(res)
+    assert not is_mounted(mnt, None)
+
+
 def test_help_exits_0() -> None:
     for argv in (["--help"], ["mount", "--help"], ["umount", "--help"], ["replay", "--help"]):
         res = run_cli(*argv)
