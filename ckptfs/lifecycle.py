@@ -392,11 +392,15 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+# seconds a live daemon has to answer `umount`'s probe before it is called hung
+PROBE_TIMEOUT = 5.0
+
+
 def cmd_umount(a: argparse.Namespace) -> int:
     mnt = layout.mount_path(a.mountpoint)
     if layout.mount_type(mnt) != layout.FSTYPE:
         raise CliError(f"{mnt} is not a ckptfs mount")
-    state = probe_mount(mnt, timeout=min(5.0, a.timeout))
+    state = probe_mount(mnt, timeout=PROBE_TIMEOUT)  # not --timeout: 0 would call it hung
     if state == "dead":
         _fusermount("-uz", mnt)
         print(f"{mnt} was a dead mount; cleaned up")
@@ -420,8 +424,8 @@ def cmd_umount(a: argparse.Namespace) -> int:
     if res.returncode != 0:
         msg = (res.stderr.strip().splitlines() or ["fusermount3 failed"])[-1]
         raise CliError(f"cannot unmount {mnt}: {msg}")
-    if pid is not None:
-        deadline = time.monotonic() + a.timeout
+    if pid is not None:  # its exit waits EXIT_GRACE at most for a store that went silent
+        deadline = time.monotonic() + max(a.timeout, 60.0)
         while _pid_alive(pid):
             if time.monotonic() > deadline:
                 raise CliError(f"unmounted {mnt} but daemon pid {pid} is still running")

@@ -363,6 +363,24 @@ def test_daemonized_mount_returns_when_usable_and_umount_waits(cli_cleanup: Path
     assert not is_mounted(mnt, None)
 
 
+def test_umount_with_timeout_0_never_kills_a_healthy_daemon(cli_cleanup: Path) -> None:
+    """`umount --timeout 0` gave the liveness probe 0 s too: a healthy daemon was called
+    hung, SIGKILLed and its mount detached, with exit 0 and no drain. Now the drain times
+    out (exit 1) and the mount stays, as documented."""
+    nvme, shared, mnt = dirs(cli_cleanup, "nvme", "shared", "mnt")
+    assert run_cli("mount", nvme, shared, mnt, "--seal-idle", "600").rc == 0
+    pids = [p for p in pids_with_arg(str(mnt)) if pid_alive(p)]
+    (mnt / "step_1").mkdir()
+    (mnt / "step_1" / "f").write_bytes(os.urandom(1 << 20))
+    line = assert_error_line(run_cli("umount", "--timeout", "0", mnt), "drain", "timed out")
+    assert "--no-drain" in line, line
+    assert is_mounted(mnt) and all(pid_alive(p) for p in pids), "the daemon was killed"
+    assert (mnt / "step_1" / "f").stat().st_size == 1 << 20
+    res = run_cli("umount", mnt)
+    assert res.rc == 0, str(res)
+    assert not is_mounted(mnt, None)
+
+
 def test_mount_with_a_long_nvme_path(cli_cleanup: Path) -> None:
     # Real NVME paths can be long (and pytest's are); AF_UNIX socket paths cannot exceed 107
     # bytes, so nothing the daemon binds may be placed naively under NVME.
