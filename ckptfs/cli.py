@@ -78,6 +78,17 @@ def positive_int(text: str) -> int:
     return _whole(text, 1, "must be at least 1")
 
 
+def _count_or_path(text: str) -> int | str:
+    """`wait --all-nodes [N] PATH`: argparse hands N the PATH when N is left out; keep it
+    (main() moves it back) unless it looks like a number."""
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        if text.lstrip("+-").replace(".", "", 1).isdigit():
+            raise
+        return text
+
+
 # --- replay / status --------------------------------------------------------------------
 
 def cmd_replay(a: argparse.Namespace) -> int:
@@ -614,10 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
 
     w = sub.add_parser("wait", help="block until PATH is published on the shared store")
-    w.add_argument("path", metavar="PATH", help="a file or directory inside a ckptfs mount")
+    w.add_argument("path", metavar="PATH", nargs="?",
+                   help="a file or directory inside a ckptfs mount")
     w.add_argument("--timeout", type=positive_float, help="give up after this many seconds")
     w.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
-    w.add_argument("--all-nodes", nargs="?", type=positive_int, const=-1, default=0, metavar="N",
+    w.add_argument("--all-nodes", nargs="?", type=_count_or_path, const=-1, default=0,
+                   metavar="N",
                    help="also wait until N nodes (default: the mount's --nodes) published "
                         "their parts of the checkpoint and its marker")
     w.set_defaults(func=cmd_wait)
@@ -760,6 +773,13 @@ class _CliFormatter(logging.Formatter):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if a.func is cmd_wait:
+        if isinstance(a.all_nodes, str):  # `wait --all-nodes PATH`: that was PATH, not N
+            if a.path is not None:
+                parser.error(f"argument --all-nodes: not a whole number: {a.all_nodes!r}")
+            a.path, a.all_nodes = a.all_nodes, -1
+        if a.path is None:
+            parser.error("wait: the following arguments are required: PATH")
     if not logging.getLogger().handlers:  # `ckptfs: warning: ...`, as the CLI's own lines
         handler = logging.StreamHandler()
         handler.setFormatter(_CliFormatter())

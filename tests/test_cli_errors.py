@@ -535,6 +535,18 @@ def test_a_malformed_tuning_variable_is_one_warning_not_a_traceback(
     assert not is_mounted(mnt, None)
 
 
+def test_wait_all_nodes_before_path_as_the_synopsis_writes_it(mount: Mount) -> None:
+    """`wait --all-nodes PATH` (cli.md's synopsis) was refused: argparse took PATH for N."""
+    (mount.mnt / "step_1").mkdir()
+    line = assert_error_line(run_cli("wait", "--all-nodes", mount.mnt / "step_1"),
+                             "needs a node count")
+    assert "--nodes" in line, line
+    res = run_cli("wait", "--all-nodes", "x", "y")
+    assert res.rc == 2 and "not a whole number: 'x'" in res.err, str(res)
+    res = run_cli("wait", "--all-nodes")
+    assert res.rc == 2 and "required: PATH" in res.err, str(res)
+
+
 def test_help_exits_0() -> None:
     for argv in (["--help"], ["mount", "--help"], ["umount", "--help"], ["replay", "--help"]):
         res = run_cli(*argv)
