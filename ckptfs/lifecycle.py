@@ -303,13 +303,13 @@ def _daemonize(a: argparse.Namespace, mnt: str, nvme: str) -> int:
     r, w = os.pipe()
     argv = [sys.executable, "-m", "ckptfs", "mount", "--foreground", "--ready-fd", str(w)]
     argv += _forwarded_args(a)
-    log_file = a.log_file or os.path.join(nvme, "ckptfs.log")
+    log_file = os.path.abspath(a.log_file) if a.log_file else os.path.join(nvme, "ckptfs.log")
     argv += ["--log-file", log_file]
-    argv += [a.nvme, a.shared, a.mountpoint]
-    with open(os.devnull, "rb") as devnull:
+    argv += [nvme, _abs_store(a.shared), a.mountpoint]
+    with open(os.devnull, "rb") as devnull:  # in /, so as not to pin the caller's filesystem
         proc = subprocess.Popen(argv, stdin=devnull, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, pass_fds=(w,), start_new_session=True,
-                                close_fds=True)
+                                close_fds=True, cwd="/")
     os.close(w)
     with os.fdopen(r, "rb") as rf:
         msg = rf.read().decode(errors="replace").strip()
@@ -373,8 +373,13 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
     if a.read_only:
         out.append("--read-only")
     if a.cold:
-        out += ["--cold", a.cold]
+        out += ["--cold", _abs_store(a.cold)]
     return out
+
+
+def _abs_store(where: str) -> str:
+    """A directory made absolute (the daemon runs in /); an s3:// URL as it is."""
+    return where if where.startswith("s3://") else os.path.abspath(where)
 
 
 def _daemon_pid(mnt: str) -> int | None:

@@ -214,6 +214,27 @@ def test_paths_with_spaces_and_non_ascii_names(cli_cleanup: Path) -> None:
     assert fuse_mounts_under(cli_cleanup) == []
 
 
+def test_the_daemon_runs_in_root_and_takes_relative_paths_as_the_caller_meant(
+        cli_cleanup: Path) -> None:
+    """The background daemon kept the caller's working directory, so the filesystem
+    `ckptfs mount` was run from could not be unmounted while ckptfs was mounted. It now runs
+    in /; relative NVME, SHARED, MOUNTPOINT, --cold and --log-file still mean the caller's."""
+    root = cli_cleanup
+    dirs(root, "nvme", "shared", "cold", "mnt")
+    res = subprocess.run(ckptfs_cmd("mount", "nvme", "shared", "mnt", "--cold", "cold",
+                                    "--keep-shared", "1", "--log-file", "daemon.log"),
+                         cwd=root, capture_output=True, text=True, timeout=60,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    (pid,) = [p for p in pids_with_arg(str(root / "mnt")) if pid_alive(p)]
+    assert os.readlink(f"/proc/{pid}/cwd") == "/"
+    (root / "mnt" / "f").write_bytes(b"x")
+    assert run_cli("wait", root / "mnt" / "f").rc == 0
+    assert (root / "daemon.log").stat().st_size > 0
+    assert list((root / "shared" / "ckptfs" / "objects").iterdir())
+    assert run_cli("umount", root / "mnt").rc == 0
+
+
 def test_mount_and_umount_through_a_symlink_to_the_mount_point(cli_cleanup: Path) -> None:
     """The kernel mounts on what a symlink names; `mount` used to poll the symlink's own path
     in /proc/mounts, report `did not become usable` and leave the daemon and its mount."""
