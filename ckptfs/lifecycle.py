@@ -320,7 +320,9 @@ def _daemonize(a: argparse.Namespace, mnt: str, nvme: str) -> int:
             proc.kill()
         err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
         if msg.startswith("error "):
-            raise CliError(msg[6:])
+            # why FUSE refused, in fusermount3's or libfuse's own words (on the daemon's stderr)
+            why = [ln.strip() for ln in err.splitlines() if ln.startswith(("fusermount", "fuse:"))]
+            raise CliError(msg[6:] + (f" ({why[-1]})" if why else ""))
         last = err.splitlines()[-1] if err else f"daemon exited with {proc.returncode}"
         last = last.removeprefix("ckptfs: error: ")
         raise CliError(f"mount failed: {last} (log: {log_file})")
