@@ -956,15 +956,51 @@ def _give_up_on_a_silent_store(d: Daemon, ready_fd: int, settled: threading.Even
     os._exit(1)
 
 
+def _entries_if_new(nvme: str) -> set[str] | None:
+    """What NVME holds before its first mount (None once it has an identity file)."""
+    if os.path.lexists(os.path.join(nvme, layout.IDENTITY_FILE)):
+        return None
+    try:
+        return set(os.listdir(nvme))
+    except OSError:
+        return None
+
+
+def _undo_first_mount(nvme: str, before: set[str] | None) -> None:
+    """A first mount of an NVME directory that failed before the mount came up (a metrics
+    port in use, FUSE refusing the mount) leaves the directory as it found it, but for its
+    log: no application write reached it, and its identity file would bind the --node-id of
+    a command the user is about to correct (`NVME belongs to node 'typo'`)."""
+    if before is None:
+        return
+    try:
+        made = set(os.listdir(nvme)) - before
+    except OSError:
+        return
+    for name in sorted(made):
+        if name.endswith(".log"):
+            continue
+        path = os.path.join(nvme, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError as e:
+            log.warning("could not remove %s after the failed mount: %s", path, e)
+
+
 def run_foreground(cfg: MountConfig, ready_fd: int = -1) -> int:
     d = Daemon(cfg)
     settled = threading.Event()
     threading.Thread(target=_give_up_on_a_silent_store, args=(d, ready_fd, settled),
                      name="ckptfs-startup-watch", daemon=True).start()
+    new_nvme = _entries_if_new(cfg.nvme)
     try:
         d.prepare()
     except BaseException:
         settled.set()
+        _undo_first_mount(cfg.nvme, new_nvme)
         raise
     try:
         d.start_metrics()
@@ -972,6 +1008,7 @@ def run_foreground(cfg: MountConfig, ready_fd: int = -1) -> int:
     except BaseException:
         settled.set()
         d.shutdown()
+        _undo_first_mount(cfg.nvme, new_nvme)
         raise
     settled.set()
     log.info("mounted %s (nvme %s, shared %s, node %s)", cfg.mountpoint, cfg.nvme, cfg.shared,

@@ -402,6 +402,32 @@ def test_umount_with_timeout_0_never_kills_a_healthy_daemon(cli_cleanup: Path) -
     assert not is_mounted(mnt, None)
 
 
+@pytest.mark.parametrize("foreground", [False, True], ids=["daemon", "foreground"])
+def test_a_refused_first_mount_leaves_the_nvme_directory_as_it_was(cli_cleanup: Path,
+                                                                    foreground: bool) -> None:
+    """A first mount refused late (its metrics port taken) had already bound NVME to its
+    --node-id: the corrected command, with another id, was then refused (`NVME belongs to
+    node 'typo1'`). A failed first mount now leaves NVME as it found it, but for its log."""
+    import socket
+
+    nvme, shared, mnt = dirs(cli_cleanup, "nvme", "shared", "mnt")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["mount", nvme, shared, mnt, "--node-id", "typo1", "--metrics-port", str(port)]
+        if foreground:  # its log goes to stderr too
+            res = run_cli(*args, "--foreground")
+            assert res.rc == 1 and "ckptfs: error: cannot serve metrics" in res.err, str(res)
+        else:
+            assert_error_line(run_cli(*args), "metrics", str(port))
+    assert not is_mounted(mnt, None)
+    assert [n for n in os.listdir(nvme) if not n.endswith(".log")] == []
+    res = run_cli("mount", nvme, shared, mnt, "--node-id", "n0")
+    assert res.rc == 0, str(res)
+    assert run_cli("umount", mnt).rc == 0
+
+
 def test_mount_with_a_long_nvme_path(cli_cleanup: Path) -> None:
     # Real NVME paths can be long (and pytest's are); AF_UNIX socket paths cannot exceed 107
     # bytes, so nothing the daemon binds may be placed naively under NVME.
