@@ -93,8 +93,9 @@ class LogStats:
     sync_calls: int = 0
     direct_records: int = 0  # records written around the page cache
     pad_bytes: int = 0  # PAD records that align them
-    seals: dict[str, int] = field(default_factory=lambda: {"size": 0, "idle": 0, "wait": 0,
-                                                            "recovery": 0, "shutdown": 0})
+    # every reason ns.seal() is given, so that each is reported from the start
+    seals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("size", "idle", "wait", "space", "recovery", "tier", "shutdown"), 0))
 
 
 class SegmentLog:

@@ -74,7 +74,21 @@ class Watch:
         self._lock = threading.Lock()
         self._calls: dict[int, tuple[str, float]] = {}  # key -> (what, started)
         self._next = 0
+        self._ours = 0  # waits of ckptfs's own inside calls (see ours())
         self.answered = time.monotonic()
+
+    @contextlib.contextmanager
+    def ours(self) -> Iterator[None]:
+        """A wait of ckptfs's own inside a call (the upload rate limit, a pause while the
+        application writes): the store owes nothing meanwhile, so it is no stall."""
+        with self._lock:
+            self._ours += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._ours -= 1
+                self.answered = time.monotonic()
 
     @contextlib.contextmanager
     def call(self, what: str) -> Iterator[None]:
@@ -100,7 +114,7 @@ class Watch:
         """(seconds without an answer, what the oldest waiting call is), or (0.0, "") when
         no call waits."""
         with self._lock:
-            if not self._calls:
+            if not self._calls or self._ours:
                 return 0.0, ""
             what = min(self._calls.values(), key=lambda c: c[1])[0]
             return max(0.0, time.monotonic() - self.answered), what
@@ -376,7 +390,8 @@ class SharedStore:
                 while size < total:
                     want = min(COPY_CHUNK, total - size)
                     if limiter is not None:
-                        limiter.take(want)
+                        with self.watch.ours():
+                            limiter.take(want)
                     n = os.sendfile(out, inp.fileno(), size, want)
                     if n == 0:
                         raise OSError(5, f"{src} ended at {size} of {total} bytes")

@@ -984,3 +984,21 @@ def test_a_full_replay_from_an_old_snapshot_finds_segments_published_or_collecte
     m.unmount()
     rc, report, err = fsck(m.shared)
     assert rc == 0, (report, err)
+
+
+def test_a_rate_limited_upload_is_not_a_silent_store(make_mount: MakeMount) -> None:
+    """With --upload-limit, an upload waits for the limiter between chunks: that wait
+    counted as the store not answering (`shared_stalled_s` climbed to the chunk's time at
+    the limit), so a healthy store was reported silent (`the shared store has not answered
+    for N s (an upload is waiting)`) by `wait`, `umount` and `status`."""
+    # no refresh meanwhile: its listings are calls that end, which reset the stall's clock
+    m = start_node(make_mount, "a", "n0", extra=["--upload-limit", "1", "--upload-streams",
+                                                 "1"], segment_size="16M", refresh=60)
+    write_tree(m.mnt, {"ck/big.bin": blob("r", 40 << 20)})
+    stalls = []
+    for _ in range(16):
+        time.sleep(0.5)
+        st = status(m)
+        stalls.append(st["shared_stalled_s"])
+    assert st["bytes_pending_upload"] > 0, "the drain finished: the test saw no limiter wait"
+    assert max(stalls) < 1, stalls
