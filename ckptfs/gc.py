@@ -69,6 +69,7 @@ def take_snapshot(index: Index, nvme: str, name: str = SNAPSHOT_DIR) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    layout.fsync_dir(tmp)  # data.mdb's name in it, before the rename makes it the snapshot
     old = dest + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(dest):
@@ -84,8 +85,14 @@ def restore_snapshot(nvme: str, index_dir: str, name: str = SNAPSHOT_DIR) -> boo
     if not os.path.exists(src):
         return False
     shutil.rmtree(index_dir, ignore_errors=True)
-    os.makedirs(index_dir)
+    layout.makedirs_durable(index_dir)
     shutil.copyfile(src, os.path.join(index_dir, "data.mdb"))
+    fd = os.open(os.path.join(index_dir, "data.mdb"), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    layout.fsync_dir(index_dir)
     return True
 
 

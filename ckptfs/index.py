@@ -44,8 +44,9 @@ from typing import Iterator
 import lmdb
 import xxhash
 
+from ckptfs import layout
 from ckptfs import segment as fmt
-from ckptfs.segment import RecType, Record
+from ckptfs.segment import Record, RecType
 
 U64 = struct.Struct(">Q")
 KEY2 = struct.Struct(">QQ")
@@ -171,9 +172,12 @@ class Index:
     """The index and its open write transaction. Single-threaded: the trio thread owns it."""
 
     def __init__(self, path: str, map_size: int = 1 << 36):
-        os.makedirs(path, exist_ok=True)
+        layout.makedirs_durable(path)
+        new = not os.path.exists(os.path.join(path, "data.mdb"))
         self.env = lmdb.open(path, map_size=map_size, max_dbs=16, metasync=False, sync=True,
                              writemap=False, readahead=False, lock=True)
+        if new:  # LMDB syncs data.mdb at each commit, never the name LMDB gave it
+            layout.fsync_dir(path)
         self.meta = self.env.open_db(b"meta")
         self.inodes = self.env.open_db(b"inodes")
         self.dirents = self.env.open_db(b"dirents")

@@ -73,6 +73,30 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_durable(path: str) -> int:
+    """os.makedirs(path, exist_ok=True), each directory it creates made durable in its
+    parent (the parent fsync'd): by POSIX a new name is durable only once its directory is.
+    ext4 happens to commit it with any later fsync; other filesystems need not (an index
+    whose directory entry is lost is a rebuild from the log, one on SHARED a lost store).
+    Returns how many directories it created."""
+    missing: list[str] = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+        fsync_dir(os.path.dirname(d))
+    return len(missing)
+
+
 def publish_bytes(dest: str, data: bytes, replace: bool = True) -> list[str]:
     """Atomically create `dest`: temp file, fsync, rename, fsync the directory.
 
@@ -124,7 +148,7 @@ def init_shared(shared: str) -> str:
     except (ValueError, AttributeError):
         raise CliError(f"{fmt_path}: unreadable ckptfs format file") from None
     try:
-        os.makedirs(root, exist_ok=True)
+        makedirs_durable(root)
         publish_bytes(fmt_path, (json.dumps(SHARED_FORMAT) + "\n").encode())
     except OSError as e:
         raise CliError(f"cannot create the ckptfs layout on SHARED {shared}: "

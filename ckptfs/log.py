@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ckptfs import knobs
+from ckptfs import knobs, layout
 from ckptfs import segment as fmt
 from ckptfs.segment import Record, RecType
 
@@ -104,7 +104,7 @@ class SegmentLog:
         self.node_id = node_id
         self.dir_id = dir_id  # written into segment headers (format.md section 1.1)
         self.segment_size = segment_size
-        os.makedirs(seg_dir, exist_ok=True)
+        layout.makedirs_durable(seg_dir)
         self.dir_fd = os.open(seg_dir, os.O_RDONLY | os.O_DIRECTORY)
         self.seg_id = 0  # active segment, 0 = none open
         self.fd = -1

@@ -181,7 +181,9 @@ def replay(index: Index, seglog: SegmentLog, full: bool = False, store: Any = No
         # segments are numbered without gaps: one missing from NVMe and from the stores
         # means records we cannot replay; say so instead of rebuilding a namespace without
         # them (garbage collection only deletes segments an index snapshot covers)
-        lo = max(a_seg, first_seg if first_seg is not None else ids[0], ids[0])
+        # (from the first segment of this directory: one missing before the first left is
+        # one a lost index snapshot covered, and the namespace without it is not whole)
+        lo = max(a_seg, first_seg if first_seg is not None else ids[0])
         have = set(ids)
         for seg in range(lo, ids[-1]):
             if seg not in have:

@@ -456,10 +456,13 @@ def scan_segment(path: str, start: int = SEGMENT_HEADER_SIZE, newest: bool = Fal
                     return
                 res.corruption.append(CorruptRecord(path, pos, bad or "invalid record"))
                 return
-            if newest and table is None and frame is None:
+            if newest and table is None and (frame is None or nxt_valid != frame):
                 # the active segment is written front to back: what verifies after a record
-                # that is not even whole is nothing this log can vouch for (stale bytes of a
-                # failed write, or a write torn by a power loss before what follows it)
+                # that is not even whole, or after bytes that are no record at all, is
+                # nothing this log can vouch for (stale bytes of a failed write, or pages a
+                # power loss kept while it lost earlier ones, never fsync'd: an fsync covers
+                # every record before it). Replaying it would leave the lost records'
+                # ranges as holes that read as zeros; the log ends here instead
                 res.corruption.append(CorruptRecord(
                     path, pos, f"{bad or 'invalid record'}; the log is replayed up to here, "
                     f"not from {nxt_valid} on"))

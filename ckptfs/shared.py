@@ -287,10 +287,9 @@ class SharedStore:
         if d in self._known_dirs:
             return
         if not os.path.isdir(d):
-            self._op("mkdir")
-            os.makedirs(d, exist_ok=True)
-            layout.fsync_dir(os.path.dirname(d))
-            self._op("fsync_dir")
+            for _ in range(layout.makedirs_durable(d)):  # objects/ and objects/NODE, say
+                self._op("mkdir")
+                self._op("fsync_dir")
         self._known_dirs.add(d)
 
     @watched("directories")

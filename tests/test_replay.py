@@ -136,6 +136,27 @@ def test_deleted_index_is_rebuilt_from_the_log(make_mount: MakeMount) -> None:
     assert tree(m.mnt) == expected
 
 
+def test_a_rebuild_missing_the_first_segments_says_so(make_mount: MakeMount) -> None:
+    """Segments GC deleted are covered by the index snapshot. With the index and that
+    snapshot lost too, a rebuild from the segments left silently dropped the files whose
+    directories were made in the deleted ones (an fsync'd file gone, no corruption
+    reported): a segment missing before the first one left is now reported like one
+    missing in the middle."""
+    m = make_mount(segment_size="1M")
+    write_files(m.mnt, rng_files(4, {f"a/f{i}": 300_000 for i in range(8)}))
+    m.unmount()
+    first = segments(m.nvme)[0]
+    assert len(segments(m.nvme)) >= 2
+    first.unlink()  # as GC deletes a segment: here and on SHARED
+    (published,) = [p for p in (m.shared / "ckptfs" / "objects").rglob(first.stem + "*")]
+    published.unlink()
+    shutil.rmtree(m.nvme / "index")
+    res, report = replay_json(m.nvme)
+    assert res.rc == 1, str(res)
+    missing = f"segment {first.name} is missing"
+    assert any(missing in c for c in report["corruption"]), report["corruption"]
+
+
 # -- corruption --------------------------------------------------------------------------------
 
 
@@ -356,6 +377,44 @@ def test_torn_tail_is_end_of_log(make_mount: MakeMount) -> None:
             assert e.errno == errno.EIO
         else:
             assert got == last[: len(got)], "b after a torn tail must be a prefix, not zeros"
+
+
+@pytest.mark.parametrize("hole_at", [256 << 10, (256 << 10) + 40_000, 700 << 10])
+def test_a_page_lost_in_the_unsynced_tail_never_reads_as_zeros(make_mount: MakeMount,
+                                                                hole_at: int) -> None:
+    """A power loss can keep later pages of the log's unsynced tail and lose an earlier one.
+    Replay took the record torn by the lost page for corruption and applied the records after
+    it: the lost records' ranges read as zeros. Now the newest segment's log ends at such a
+    hole: the file reads as a prefix of what was written (or EIO where a record kept its
+    extent), never as wrong bytes."""
+    m = make_mount(segment_size="4M")
+    data = random.Random(7).randbytes(1 << 20)
+    fd = os.open(m.mnt / "f.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    for off in range(0, len(data), 32 << 10):  # 32 KiB records, never fsync'd
+        os.write(fd, data[off:off + (32 << 10)])
+    os.close(fd)
+    m.kill()
+    m.clean_stale()
+    newest = segments(m.nvme)[-1]
+    with open(newest, "r+b") as f:  # the page that never reached the disk
+        f.seek(hole_at & ~4095)
+        f.write(bytes(4096))
+    m.start()
+    size = (m.mnt / "f.bin").stat().st_size
+    fd = os.open(m.mnt / "f.bin", os.O_RDONLY)
+    eio = 0
+    try:
+        for off in range(0, size, 4096):
+            try:
+                got = os.pread(fd, 4096, off)
+            except OSError as e:
+                assert e.errno == errno.EIO, e
+                eio += 1
+                continue
+            assert got == data[off:off + len(got)], f"wrong bytes at {off} of {size}"
+    finally:
+        os.close(fd)
+    assert size < len(data) or eio, "the file came back whole: the test hit no record"
 
 
 def test_replay_through_the_console_script(make_mount: MakeMount) -> None:
