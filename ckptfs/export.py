@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from ckptfs import manifest
 from ckptfs import segment as fmt
 from ckptfs.remote import fetch_manifests
-from ckptfs.shared import SharedError, SharedStore, answers, open_store
+from ckptfs.shared import ANSWER_TIMEOUT, SharedError, SharedStore, answers, bounded, open_store
 
 
 class ExportError(Exception):
@@ -263,8 +263,12 @@ def check_store(path: str) -> SharedStore:
     if not path.startswith("s3://"):
         answers(path)  # a hung NAS: one line after ANSWER_TIMEOUT, not a hang
     store = open_store(path)
-    try:
-        store.verify()
+    try:  # an endpoint that takes the connection and never answers: the same line
+        bounded(store.verify, ANSWER_TIMEOUT if ANSWER_TIMEOUT > 0 else None)
+    except TimeoutError:
+        raise SharedError(f"{path} does not answer: no reply to a check of the store in "
+                          f"{ANSWER_TIMEOUT:.0f} s (is the server or its network down? "
+                          f"CKPTFS_SHARED_TIMEOUT sets how long to wait)") from None
     except OSError as e:
         raise SharedError(f"cannot read {path}: {e}") from None
     return store

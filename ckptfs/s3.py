@@ -59,10 +59,15 @@ class S3Store:
         self.root = f"s3://{self.bucket}/{self.prefix}"
         self.part_size = part_size
         self.streams = max(1, streams)
-        self.client = boto3.session.Session().client("s3", config=Config(
-            retries={"mode": "standard", "max_attempts": 8},
-            max_pool_connections=max(16, 4 * self.streams),
-            connect_timeout=5, read_timeout=60))
+        from botocore.exceptions import BotoCoreError
+
+        try:  # a missing profile, an unreadable ~/.aws/config, a malformed endpoint or region
+            self.client = boto3.session.Session().client("s3", config=Config(
+                retries={"mode": "standard", "max_attempts": 8},
+                max_pool_connections=max(16, 4 * self.streams),
+                connect_timeout=5, read_timeout=60))
+        except (BotoCoreError, ValueError) as e:
+            raise SharedError(f"the AWS settings for {url} are not usable: {e}") from None
         self.ops: dict[str, int] = {}
         self._ops_lock = threading.Lock()
         self.watch = Watch()  # every request is a call (botocore retries inside one)

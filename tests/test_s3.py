@@ -302,6 +302,61 @@ def test_s3_errors_are_one_clear_line(weed: Weed, tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "nvme")
 
 
+@pytest.mark.parametrize("setting", [
+    {"AWS_PROFILE": "no-such-profile"},
+    {"AWS_ENDPOINT_URL": "notaurl"},
+    {"AWS_DEFAULT_REGION": "bad region!"},
+], ids=["profile", "endpoint", "region"])
+@pytest.mark.parametrize("command", ["ls", "export", "fsck", "mount"])
+def test_unusable_aws_settings_are_one_line(tmp_path: Path, setting: dict[str, str],
+                                            command: str) -> None:
+    """A missing profile, a malformed endpoint or region: `ls`, `export` and `fsck` printed
+    botocore's traceback, `mount` the exception's class name. No server needed."""
+    env = {k: v for k, v in os.environ.items() if k != "AWS_PROFILE"}
+    env.update(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1",
+               AWS_ENDPOINT_URL="http://127.0.0.1:9")
+    env.update(setting)
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "mnt").mkdir()
+    args = {"ls": ["ls", "s3://bkt/p"], "fsck": ["fsck", "s3://bkt/p"],
+            "export": ["export", "s3://bkt/p", "/", str(tmp_path / "out")],
+            "mount": ["mount", str(tmp_path / "nvme"), "s3://bkt/p", str(tmp_path / "mnt")]}
+    res = subprocess.run([sys.executable, "-m", "ckptfs", *args[command]], capture_output=True,
+                         text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert len(lines) == 1 and lines[0].startswith("ckptfs: error:"), res.stderr
+    assert "AWS settings" in lines[0] and "botocore" not in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", ["ls", "export", "fsck"])
+def test_an_s3_endpoint_that_never_answers_is_one_line_not_a_hang(tmp_path: Path,
+                                                                  command: str) -> None:
+    """An endpoint that takes the connection and never replies (a frozen server): `mount`
+    gave up after CKPTFS_SHARED_TIMEOUT, but `ls`, `export` and `fsck` hung (botocore's 60 s
+    read timeout, 8 attempts)."""
+    import socket
+    import time
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(64)
+        env = dict(os.environ, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y",
+                   AWS_DEFAULT_REGION="us-east-1", CKPTFS_SHARED_TIMEOUT="2",
+                   AWS_ENDPOINT_URL=f"http://127.0.0.1:{srv.getsockname()[1]}")
+        args = {"ls": ["ls", "s3://bkt/p"], "fsck": ["fsck", "s3://bkt/p"],
+                "export": ["export", "s3://bkt/p", "/", str(tmp_path / "out")]}
+        t0 = time.monotonic()
+        res = subprocess.run([sys.executable, "-m", "ckptfs", *args[command]],
+                             capture_output=True, text=True, env=env, timeout=60,
+                             stdin=subprocess.DEVNULL)
+        took = time.monotonic() - t0
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert "does not answer" in lines[0], lines[0]
+    assert took < 30, took
+
+
 @pytest.mark.parametrize("cold_kind", ["posix", "s3"])
 def test_cold_tier_move_and_read_back(cold_kind: str, mounts, tmp_path: Path,
                                       request: pytest.FixtureRequest) -> None:
