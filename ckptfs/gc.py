@@ -265,6 +265,7 @@ class Collector:
             log.info("gc: deleted segment %s (%d bytes, all data dead)",
                      fmt.segment_name(seg), size)
         segs = [seg for seg, _s, _z in ripe]
+        self.index.drop_chunks(set(segs))
         await self.drain.in_pub(lambda: [self.drain.pub.drop_segment(s) for s in segs])
         await self.commit()
         return len(ripe) + old

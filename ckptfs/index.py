@@ -589,6 +589,26 @@ class Index:
     def put_chunk(self, digest: bytes, seg: int, pos: int, length: int) -> None:
         self.txn.put(digest, CHUNK.pack(seg, pos, length), db=self.chunks)
 
+    def drop_chunks(self, segs: set[int]) -> int:
+        """Forget the dedup rows of records in `segs` (deleted segments), and of any other
+        segment that has no row left (an index from before this): nothing else ever removes
+        one, and a row for every write of 64 KiB or more ever made would grow the index
+        without end. One scan of the table; returns how many rows went."""
+        if not segs:
+            return 0
+        alive: dict[int, bool] = {}
+
+        def dead(seg: int) -> bool:
+            if seg not in alive:
+                alive[seg] = seg not in segs and self.get_segment(seg) is not None
+            return not alive[seg]
+
+        with self.txn.cursor(db=self.chunks) as c:
+            gone = [bytes(k) for k, v in c if dead(CHUNK.unpack(v)[0])]
+        for k in gone:
+            self.txn.delete(k, db=self.chunks)
+        return len(gone)
+
     def objref_id(self, obj: str) -> int:
         """The vseg id standing for published object "node/segid" (allocated on first use)."""
         key = obj.encode()
