@@ -31,6 +31,7 @@ import trio
 from ckptfs import segment as fmt
 from ckptfs.index import SegState
 from ckptfs.segment import RecType
+from ckptfs.shared import SharedError
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,14 @@ class ColdTier:
             self._kick = trio.Event()
             try:
                 await self.move_pending()
-            except Exception as e:  # a failing cold store must not take the mount down
+            except (OSError, SharedError) as e:  # a failing cold store: a line per new error
+                if str(e) != self.stats.last_error:
+                    log.error("moving segments to the cold tier failed (%s); will retry "
+                              "every 5 s", e)
+                self.stats.last_error = str(e)
+                await trio.sleep(5)
+                self._kick.set()
+            except Exception as e:  # a fault of ours: the whole story, but keep the mount
                 self.stats.last_error = str(e)
                 log.exception("moving segments to the cold tier failed; will retry")
                 await trio.sleep(5)
