@@ -549,7 +549,7 @@ class Daemon:
         res = self.retention.run_once()
         for parent, name in res["entries"]:
             try:  # (its directory, its name): "run/step_1" is no name in the root
-                pyfuse3.invalidate_entry_async(parent, name)
+                pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)  # unseen: fine
             except Exception as e:
                 log.debug("invalidating %r in directory %d: %s", name, parent, e)
         if self.coldtier is not None and res["to_cold"]:
