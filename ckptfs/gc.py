@@ -64,11 +64,7 @@ def take_snapshot(index: Index, nvme: str, name: str = SNAPSHOT_DIR) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     index.env.copy(tmp, compact=True)
-    fd = os.open(os.path.join(tmp, "data.mdb"), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    layout.fsync_file(os.path.join(tmp, "data.mdb"))
     layout.fsync_dir(tmp)  # data.mdb's name in it, before the rename makes it the snapshot
     old = dest + ".old"
     shutil.rmtree(old, ignore_errors=True)
@@ -87,11 +83,7 @@ def restore_snapshot(nvme: str, index_dir: str, name: str = SNAPSHOT_DIR) -> boo
     shutil.rmtree(index_dir, ignore_errors=True)
     layout.makedirs_durable(index_dir)
     shutil.copyfile(src, os.path.join(index_dir, "data.mdb"))
-    fd = os.open(os.path.join(index_dir, "data.mdb"), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    layout.fsync_file(os.path.join(index_dir, "data.mdb"))
     layout.fsync_dir(index_dir)
     return True
 

@@ -65,6 +65,14 @@ def rename_noreplace(src: str, dst: str) -> list[str]:
     return ["link", "unlink"]
 
 
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
