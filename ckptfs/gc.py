@@ -361,14 +361,14 @@ class Collector:
         errors: list[str] = []
         seen = {node: seq for node, (seq, _refs) in self._refs.items()}
         current: set[str] = set()
-        for node, seq, m in newest_manifests(self.store, seen, errors, current, entries=False):
+        for node, seq, m in newest_manifests(self.store, seen, errors, current, entries=False,
+                                             skip=self.node):
             current.add(node)
             refs: set[str] = set()
-            if node != self.node:
-                for obj in m.objects:
-                    onode, seg = obj.rsplit("/", 1)
-                    if onode == self.node:
-                        refs.add(seg)
+            for obj in m.objects:
+                onode, seg = obj.rsplit("/", 1)
+                if onode == self.node:
+                    refs.add(seg)
             self._refs[node] = (seq, refs)
         for node in set(self._refs) - current:  # its manifests are gone
             del self._refs[node]
