@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -510,12 +511,16 @@ def cmd_probe(a: argparse.Namespace) -> int:
 # --- the parser -------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviated options: `--keep 3` would mean --keep-local today and be refused the
+    # day another --keep-* option is added; a script must say what it means.
     p = argparse.ArgumentParser(
-        prog="ckptfs",
+        prog="ckptfs", allow_abbrev=False,
         description="A checkpoint filesystem: writes land in a log on local NVMe and drain to "
                     "shared storage as a few big objects.")
     p.add_argument("--version", action="version", version=f"ckptfs {__version__}")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND",
+                           parser_class=functools.partial(argparse.ArgumentParser,
+                                                          allow_abbrev=False))
     sub.required = True
 
     m = sub.add_parser("mount", help="mount ckptfs at MOUNTPOINT",

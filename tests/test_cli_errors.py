@@ -536,6 +536,8 @@ USAGE_ERROR = re.compile(r"^ckptfs(?: [a-z-]+)?: error: ")
         ["mount", "a", "b", "c", "--refresh-interval", "0"],  # SHARED listed without a pause
         ["mount", "a", "b", "c", "--nodes", "-1"],
         ["mount", "a", "b", "c", "--keep-shared", "-2"],
+        ["mount", "a", "b", "c", "--keep-sh", "2"],  # no abbreviations: scripts say what they mean
+        ["status", "a", "--js"],
         ["ls", "a", "--nodes", "-1"],
         ["mount", "a", "b", "c", "--retain", "run/step_*"],  # a name glob, not a path
         ["ls", "a", "--marker", ""],
