@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 PUBLISHED_DIR = "published"
 MAX_BACKOFF = 10.0
+REPEAT_LOG_EVERY = 600.0  # a failure that goes on is logged again this often
 MANIFEST_RECHECK = 0.5  # s between looks at an owed manifest (writers quiet? interval over?)
 # The published view commits after this many records, even inside a segment: an LMDB write
 # transaction holds every page it dirtied in memory until it commits (a batch of segments
@@ -103,6 +104,7 @@ class Drain:
         self.pub: Index = self._pub_thread.submit(
             Index, os.path.join(nvme, PUBLISHED_DIR)).result()
         self.stats = DrainStats()
+        self._said: dict[str, float] = {}  # failure -> when it was last logged (_error)
         self.published_seq = self.pub.applied[2]
         self.manifest_seq = self.published_seq
         self._changed = trio.Event()
@@ -277,8 +279,16 @@ class Drain:
                 delay = min(delay * 2, MAX_BACKOFF)
 
     def _error(self, msg: str) -> None:
-        if msg != self.stats.last_error:
-            log.error("drain: %s (will retry)", msg)
+        """Each distinct failure is logged once until the drain recovers, then again every
+        REPEAT_LOG_EVERY seconds while it lasts (streams that fail differently, e.g. each on
+        its own segment, would otherwise log in turns at every retry)."""
+        now = time.monotonic()
+        said = self._said.get(msg)
+        if said is None or now - said >= REPEAT_LOG_EVERY:
+            if len(self._said) >= 256:
+                self._said.clear()
+            self._said[msg] = now
+            log.error("drain: %s%s (will retry)", "still failing: " if said else "", msg)
         if self.stats.failing_since is None:
             self.stats.failing_since = time.monotonic()
         self.stats.last_error = msg
@@ -440,6 +450,7 @@ class Drain:
         if self.stats.last_error:
             log.info("drain recovered")
             self.stats.last_error = self.stats.failing_since = None
+            self._said.clear()
         what = (f"segment {fmt.segment_name(todo[0][0])}" if len(todo) == 1 else
                 f"{len(todo)} segments {fmt.segment_name(todo[0][0])}.."
                 f"{fmt.segment_name(todo[-1][0])} as one batch")
