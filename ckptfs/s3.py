@@ -196,7 +196,13 @@ class S3Store:
             return False
 
     def check(self) -> None:
-        self._call("head", self.client.head_object, Key=self._key(layout.SHARED_FORMAT_FILE))
+        """Before publishing, as SharedStore.check: the store must still be there."""
+        try:
+            self._call("head", self.client.head_object,
+                       Key=self._key(layout.SHARED_FORMAT_FILE))
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"shared store layout {self.root}/FORMAT is "
+                                                  f"missing (a deleted store or bucket?)") from None
 
     # --- writing ----------------------------------------------------------------------------
 
