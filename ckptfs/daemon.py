@@ -432,6 +432,11 @@ class Daemon:
                 raise CliError(f"node {cfg.node_id} has checkpoints on the cold tier "
                                f"{own.cold}: a new NVME directory for it must be mounted "
                                f"with --cold {own.cold}")
+            if own is not None:
+                # objects of this node that a new NVME directory imported, which no local
+                # segment stands for: the next manifests say they are cold as this one does
+                self.drain.own_cold = {o: info for o, info in own.objects.items()
+                                       if own.tier(o) == "cold"}
             self.refresher.import_at_mount(found)
             if not ident.get("adopted", True):
                 self.seglog.sync_now()  # the imports are in the log, durably: now say so

@@ -122,6 +122,9 @@ class Drain:
         self.stalled: Callable[[], tuple[float, str]] = store.watch.stalled
         self._targets: list[int] = []  # log positions waiters need published
         self.cold_url = ""
+        # this node's objects that its newest manifest at mount marked cold (daemon.py): an
+        # imported one keeps that tier, as no segment of this log stands for it
+        self.own_cold: dict[str, dict] = {}
         self.cold = None  # the cold tier's store
         self._cold_segs: set[int] = set()
         # the "yield" policy: while the application writes fast, uploads wait (the save gets
@@ -605,6 +608,9 @@ class Drain:
                    ({"size": i.size, "tier": "cold"} if i.state == SegState.COLD
                     else {"size": i.size})
                    for s, i in self.pub.iter_segments() if s not in self.dropped}
+        for name, info in self.own_cold.items():
+            if name not in objects:  # not this log's own segment (that one says for itself)
+                objects[name] = info
         try:
             data = manifest.build(self.pub, self.node, self.published_seq, objects,
                                   time.time_ns(), self.dropped, self.cold_url)

@@ -37,6 +37,7 @@ from test_shared_support import (
     export_files,
     fsck,
     ls_json,
+    manifests,
     node_args,
     objects,
     start_node,
@@ -50,6 +51,7 @@ from test_shared_support import (
 )
 
 import ckptfs
+from ckptfs import manifest
 
 # Retries back off up to 30 s (ckptfs/drain.py); a short fault keeps the next retry close.
 RECOVER_WITHIN = 60.0
@@ -907,6 +909,13 @@ def test_a_new_nvme_for_a_node_with_cold_checkpoints_needs_cold(make_mount: Make
     for _ in range(20):  # every manifest published meanwhile still lists the checkpoints
         assert {e["path"] for e in ls_json(m.shared)} >= {"step_1/model.pt", "step_2/model.pt"}
         time.sleep(0.1)
+    # the new directory's manifests still say step_1's objects are cold (they said "shared",
+    # and readers then tried SHARED first)
+    write_tree(d.mnt, {"step_3/model.pt": b"3", "step_3/.metadata": b"m"})
+    wait_published(d.mnt / "step_3")
+    newest = manifest.parse(manifests(m.shared, "n0")[-1].read_bytes(), "the newest manifest")
+    objs = {x[2] for e in newest.entries if e.path == "step_1/model.pt" for x in e.extents}
+    assert objs and {newest.tier(o) for o in objs} == {"cold"}, (objs, newest.objects)
     d.unmount()
     assert export_files(m.shared, "step_1", tmp_path / "out")["model.pt"] == one
     rc, report, err = fsck(m.shared)
