@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import stat
 import threading
@@ -256,6 +257,33 @@ def _temp_beside(parent: str) -> tuple[str, int]:
     raise AssertionError("unreachable")
 
 
+TEMP_NAME = re.compile(r"\.ckptfs-export\.(\d+)\.\d+\Z")
+
+
+def _remove_stale_temps(parent: str) -> None:
+    """Remove the temporary files of exports into `parent` that were killed (SIGKILL, a
+    reboot) before they could: those whose process is gone. A live export's stay."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        m = TEMP_NAME.match(name)
+        if m is None or int(m[1]) == os.getpid():
+            continue
+        try:
+            os.kill(int(m[1]), 0)
+            continue  # alive (or some other process has its number now): leave it
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        try:
+            os.unlink(os.path.join(parent, name))
+        except OSError:
+            pass
+
+
 def export(store: SharedStore, prefix: str, dest: str,
            progress: Callable[[int, int], None] | None = None,
            warn: Callable[[str], None] | None = None,
@@ -298,6 +326,7 @@ def _export(items: list[tuple[str, str, manifest.Entry]], dest: str, reader: Win
             progress: Callable[[int, int], None] | None) -> tuple[int, int]:
     done = files = 0
     dirs: list[tuple[str, int]] = []  # their mtimes are set last: writing in them moves them
+    swept: set[str] = set()  # directories cleared of killed exports' temporary files
     for rel, _node, e in items:
         if not rel:
             if e.type == "d":
@@ -324,6 +353,9 @@ def _export(items: list[tuple[str, str, manifest.Entry]], dest: str, reader: Win
             continue
         # written beside its name and renamed onto it once whole: a failed export (a damaged
         # record, a full disk) never leaves a partial file, nor truncates a good earlier copy
+        if parent not in swept:
+            swept.add(parent)
+            _remove_stale_temps(parent)
         tmp, fd = _temp_beside(parent)
         try:
             try:

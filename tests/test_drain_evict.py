@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -227,3 +228,23 @@ def test_export_of_the_longest_names_and_of_names_like_its_temporary_files(
     wait_published(m.mnt)
     got = export_files(m.shared, "d", tmp_path / "out")
     assert got == {k[2:]: v for k, v in files.items()}, sorted(got)
+
+
+def test_export_removes_the_temporary_files_of_a_killed_export(make_mount: MakeMount,
+                                                               tmp_path: Path) -> None:
+    """A SIGKILLed export leaves its `.ckptfs-export.PID.N` file beside a name; the next
+    export into the same directory removes it. One of a live process stays."""
+    m = start_node(make_mount, "a", "n0")
+    write_tree(m.mnt, {"step_1/sub/shard": b"data", "step_1/top": b"t"})
+    wait_published(m.mnt)
+    gone = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    dest = tmp_path / "out"
+    (dest / "sub").mkdir(parents=True)
+    dead = dest / "sub" / f".ckptfs-export.{dead_pid}.0"
+    live = dest / "sub" / f".ckptfs-export.{os.getpid()}.3"
+    dead.write_bytes(b"half a shard")
+    live.write_bytes(b"being written")
+    cli("export", m.shared, "step_1", dest)
+    assert sorted(p.name for p in (dest / "sub").iterdir()) == sorted(["shard", live.name])
+    assert (dest / "sub" / "shard").read_bytes() == b"data"
