@@ -248,3 +248,25 @@ def test_export_removes_the_temporary_files_of_a_killed_export(make_mount: MakeM
     cli("export", m.shared, "step_1", dest)
     assert sorted(p.name for p in (dest / "sub").iterdir()) == sorted(["shard", live.name])
     assert (dest / "sub" / "shard").read_bytes() == b"data"
+
+
+def test_export_of_small_files_far_apart_reads_only_them(make_mount: MakeMount,
+                                                         tmp_path: Path) -> None:
+    """Export reads a run of small records in one read, but small files lying far apart in
+    an object (written between big ones) are read on their own, not each with the next
+    4 MiB of the object."""
+    from ckptfs.export import export
+    from ckptfs.shared import SharedStore
+
+    m = start_node(make_mount, "a", "n0", segment_size="64M")
+    small = {}
+    for i in range(20):
+        small[f"small/{i}"] = blob(f"s{i}", 4096)
+        write_tree(m.mnt, {f"small/{i}": small[f"small/{i}"],
+                           f"big/{i}": blob(f"b{i}", 3 << 20)})
+    wait_published(m.mnt)
+    store = SharedStore(str(m.shared))
+    n, nbytes = export(store, "small", str(tmp_path / "out"))
+    assert (n, nbytes) == (20, 20 * 4096)
+    assert {f"small/{p.name}": p.read_bytes() for p in (tmp_path / "out").iterdir()} == small
+    assert store.bytes_read < 2 * 20 * 4096, store.bytes_read  # was 20 x 4 MiB
