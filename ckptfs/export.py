@@ -224,24 +224,15 @@ def object_order(e: manifest.Entry) -> tuple[str, int]:
     return obj, pos
 
 
-def read_file(store: SharedStore | Resolver | Window,
-              e: manifest.Entry) -> Iterator[tuple[int, bytes]]:
-    """(offset, bytes) pieces of a file's data, each verified against its record checksum.
-    Through a Window, the reads of the next records are under way while one is checked."""
-    ahead = READS_IN_FLIGHT if isinstance(store, Window) else 1
+def read_file(reader: Window, e: manifest.Entry) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) pieces of a file's data, each verified against its record checksum;
+    the reads of the next records are under way while one is checked."""
     pending: deque[tuple[list, Callable[[], bytes]]] = deque()
     extents = iter(e.extents)
     while True:
-        while len(pending) < ahead:
-            x = next(extents, None)
-            if x is None:
-                break
+        while len(pending) < READS_IN_FLIGHT and (x := next(extents, None)) is not None:
             node, seg = manifest.split_obj(x[2])
-            n = fmt.RECORD_HEADER_SIZE + x[5]
-            if isinstance(store, Window):
-                pending.append((x, store.begin(node, seg, x[3], n)))
-            else:
-                pending.append((x, lambda st=store, a=(node, seg, x[3], n): st.read_range(*a)))
+            pending.append((x, reader.begin(node, seg, x[3], fmt.RECORD_HEADER_SIZE + x[5])))
         if not pending:
             return
         (off, length, obj, pos, skip, rec_len), get = pending.popleft()
@@ -520,7 +511,7 @@ def top_marker_targets(store: SharedStore, view: View,
                 or path.count("/") >= MAX_DEPTH or checkpoint_of(path, retain, False):
             continue
         try:
-            data = b"".join(d for _o, d in read_file(view.resolver or store, e))
+            data = b"".join(d for _o, d in read_file(Window(view.resolver or store), e))
         except (OSError, ExportError):
             continue
         target = named_by(data.decode(errors="replace"))

@@ -52,6 +52,7 @@ from test_shared_support import (
 
 import ckptfs
 from ckptfs import manifest
+from ckptfs.layout import fsync_file
 
 # Retries back off up to 30 s (ckptfs/drain.py); a short fault keeps the next retry close.
 RECOVER_WITHIN = 60.0
@@ -120,14 +121,6 @@ def full(shared: Path) -> Iterator[str]:
 FAULTS = {"read-only": read_only, "removed": removed, "full": full}
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path,
                                           fault: str) -> None:
@@ -143,7 +136,7 @@ def test_drain_survives_shared_store_fault(make_mount: MakeMount, tmp_path: Path
         with FAULTS[fault](m.shared) as why:
             # training writes keep landing on NVMe, fsync included
             write_tree(m.mnt, during)
-            fsync_path(m.mnt / "step_2/__0_0.distcp")
+            fsync_file(str(m.mnt / "step_2/__0_0.distcp"))
             t0 = time.monotonic()
             res = cli("wait", m.mnt / "step_2", "--timeout", "3", check=False, timeout=60)
             took = time.monotonic() - t0
@@ -229,7 +222,7 @@ def test_a_silent_shared_store_is_reported_and_never_holds_a_command_or_the_daem
             wait_published(m.mnt / "step_1")
             os.kill(nas.pid, signal.SIGSTOP)
             write_tree(m.mnt, second)  # lands on NVMe, fsync included
-            fsync_path(m.mnt / "step_2/b")
+            fsync_file(str(m.mnt / "step_2/b"))
             assert_tree({**first, **second}, m.mnt, "the mount while SHARED is silent")
 
             res = cli("wait", m.mnt / "step_2", "--timeout", "5", check=False, env=quick)
@@ -292,7 +285,7 @@ def test_a_store_whose_fsync_fails_is_retried_from_scratch_and_nothing_is_lost(
             published = {p.name for p in objects(m.shared, "n0")}
             nas.fail_fsyncs()
             write_tree(m.mnt, second)
-            fsync_path(m.mnt / "step_2/__0_0.distcp")  # the local fsync is not the NAS's
+            fsync_file(str(m.mnt / "step_2/__0_0.distcp"))  # the local fsync is not the NAS's
             res = cli("wait", m.mnt / "step_2", "--timeout", "3", check=False)
             line = assert_one_line_error(res, "wait while the NAS's fsync fails")
             assert "timed out" in line and "Input/output error" in line, line
@@ -330,7 +323,7 @@ def test_mount_comes_up_while_the_store_refuses_its_cleanup(make_mount: MakeMoun
         m.start()
         assert time.monotonic() - t0 < 30, "the mount waited for the shared store"
         write_tree(m.mnt, later)
-        fsync_path(m.mnt / "step_2/__0_0.distcp")
+        fsync_file(str(m.mnt / "step_2/__0_0.distcp"))
         st = wait_status(m, lambda s: s["last_error"], 15, "status to report the cleanup")
         assert "clean temp files" in st["last_error"] and "EROFS" in st["last_error"], st
         res = cli("wait", m.mnt / "step_2", "--timeout", "2", check=False, timeout=60)
@@ -466,7 +459,7 @@ def kill_during_upload(m: Mount, expected: dict[str, bytes]) -> None:
     """Write `expected`, SIGKILL the daemon once a temp object is half-written."""
     write_tree(m.mnt, expected)
     for rel in expected:
-        fsync_path(m.mnt / rel)
+        fsync_file(str(m.mnt / rel))
     wait_for(lambda: partial_temp(m.shared), 30, "a half-written temp object on SHARED",
              interval=0.01)
     m.kill()
@@ -522,7 +515,7 @@ def test_unmount_during_an_upload_exits_at_once_and_publishes_after_the_next_mou
                 **{f"ck/small{i}": blob(f"u{i}", 10_000 * i + 1) for i in range(10)}}
     write_tree(m.mnt, expected)
     for rel in expected:
-        fsync_path(m.mnt / rel)
+        fsync_file(str(m.mnt / rel))
     wait_for(lambda: partial_temp(m.shared), 30, "an upload in flight", interval=0.01)
     m.unmount(timeout=10)  # fails unless the daemon exits 0 within 10 s
     assert "not yet on SHARED" in m.log_tail(), m.log_tail()
