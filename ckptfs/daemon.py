@@ -51,6 +51,9 @@ DEFRAG_INTERVAL = 1.0  # seconds between looks for files that small writes fragm
 EXIT_GRACE = knobs.number("CKPTFS_EXIT_GRACE", 5.0, "seconds")
 # seconds between periodic GC passes (tests shorten it; `ckptfs gc` runs one at once)
 GC_INTERVAL = knobs.number("CKPTFS_GC_INTERVAL", 15.0, "seconds", 0.01)
+# `wait`s that arrive within this long of each other share one seal of the active segment:
+# 64 ranks each waiting for its own shard sealed 35 segments (35 objects on SHARED)
+WAIT_COALESCE = knobs.number("CKPTFS_WAIT_COALESCE", 0.05, "seconds", 0)
 
 
 @dataclass
@@ -245,6 +248,9 @@ class Daemon:
         self.metrics = None
         # (directory, log sequence after it) of the last wait's WAITED record (_waited)
         self._last_waited: tuple[int, int] = (0, -1)
+        # the seal that waits arriving now will share (_seal_for_wait): set when it is made,
+        # with the log sequence before and after it (none if it failed)
+        self._wait_seal: tuple[trio.Event, list[int]] | None = None
 
     def prepare(self) -> None:
         """Everything that can fail with a clear message, before the mount exists."""
@@ -727,10 +733,9 @@ class Daemon:
                 return {"published_seq": self.drain.manifest_seq}
             vouch = op == "wait" and await self._waited(ino)
             target = self.seglog.seq
-            if self.seglog.has_records():
-                self.ns.seal("wait")
-            if vouch:
-                self._last_waited = (ino, self.seglog.seq)
+            before, after = await self._seal_for_wait()
+            if vouch and before == target:  # nothing logged between our WAITED and the seal
+                self._last_waited = (ino, after)
             if target > self.drain.manifest_seq:
                 await self.drain.wait_seq(target, timeout, progress)
             damaged = await self._damaged_under(ino, rel) if op == "wait" else []
@@ -756,6 +761,37 @@ class Daemon:
             n = await self.refresher.refresh()
             return {"changes": n}
         raise ValueError(f"unknown control request {op!r}")
+
+    async def _seal_for_wait(self) -> tuple[int, int]:
+        """Seal the active segment for a `wait` (if it holds records), together with the
+        waits that arrive within WAIT_COALESCE: one object on SHARED for all of them instead
+        of one each. Returns the log sequence just before and just after that seal; every
+        record logged before this call is in a sealed segment when it returns."""
+        shared = self._wait_seal
+        if shared is not None:
+            done, seqs = shared
+            await done.wait()
+            if len(seqs) == 2:
+                return seqs[0], seqs[1]
+            # that seal failed (the wait that made it got the error): try once more, alone
+        else:
+            done, seqs = self._wait_seal = (trio.Event(), [])
+            try:
+                await trio.sleep(WAIT_COALESCE)
+            finally:
+                self._wait_seal = None  # a wait arriving from now on needs a seal of its own
+                try:
+                    before = self.seglog.seq
+                    if self.seglog.has_records():
+                        self.ns.seal("wait")
+                    seqs += [before, self.seglog.seq]
+                finally:
+                    done.set()
+            return seqs[0], seqs[1]
+        before = self.seglog.seq
+        if self.seglog.has_records():
+            self.ns.seal("wait")
+        return before, self.seglog.seq
 
     async def _waited(self, ino: int) -> bool:
         """A WAITED record for a directory whose `wait` begins: once published, it tells other

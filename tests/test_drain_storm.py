@@ -158,3 +158,48 @@ def test_umount_drains_before_unmounting(make_mount: MakeMount, tmp_path: Path) 
     assert not tree_diff(want, got), tree_diff(want, got)
     assert_fsck_clean(a.shared)
     assert os.path.exists(b.mnt / "big.bin")
+
+
+def test_ranks_that_each_wait_for_their_own_shard_share_the_seals(make_mount: MakeMount) -> None:
+    """Every rank writing its shard and then `wait`ing for it: each wait sealed the active
+    segment as soon as it came, and the next rank's shard was in a new one (64 ranks: 26-41
+    objects on SHARED for one checkpoint). Waits that arrive within CKPTFS_WAIT_COALESCE
+    (0.05 s; a generous 1 s here, so that a loaded machine cannot spread them out) share one
+    seal, and each still returns only once its own shard is published."""
+    import threading
+
+    import ckptfs
+    from ckptfs.export import export
+    from ckptfs.shared import SharedStore
+
+    m = start_node(make_mount, "a", "n0")
+    m.unmount()
+    m.env = {**os.environ, "CKPTFS_WAIT_COALESCE": "1"}
+    m.start()
+    before = status(m)["seals"]["wait"]
+    ranks = 32
+    (m.mnt / "step_1").mkdir()
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            p = m.mnt / "step_1" / f"__{r}_0.distcp"
+            with open(p, "wb") as f:
+                f.write(blob(f"r{r}", 100_000 + r))
+                os.fsync(f.fileno())
+            ckptfs.wait(p, timeout=60)
+            # published: a node with no local state reads it back whole
+            got = export(SharedStore(str(m.shared)), f"step_1/__{r}_0.distcp",
+                         str(m.root / f"out{r}"))
+            assert got == (1, 100_000 + r), got
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    seals = status(m)["seals"]["wait"] - before
+    assert 1 <= seals <= 4, f"{ranks} waits made {seals} seals"
