@@ -4,15 +4,19 @@ Every record is verified against its checksum the first time a read touches it (
 record is read once, then served from the page cache); a mismatch is EIO for that extent and a
 log line naming segment and offset, never wrong bytes.
 
-A small record on the shared store is fetched with the REMOTE_WINDOW bytes that follow it:
-every whole data record in that range is verified and kept in a bounded cache, so a file
-written in small writes, or small files whose records interleave in one segment, cost one
-request per window, not one per record. A record of REMOTE_ALONE bytes or more is fetched
-alone: a window past it would end inside the next record, which would then be read twice (1.45x
-the bytes of a storm of 256 KiB-1 MiB files read from the shared store, 1.0x alone); the head
-of a data record a window does end inside is kept for that record's fetch, which reads the
-rest. A fetch in flight is waited for, not repeated; a read whose records are all in the cache
-is served without a thread hop.
+A small record on the shared store is fetched with the small records that follow it, up to
+REMOTE_WINDOW bytes: every whole data record in that range is verified and kept in a bounded
+cache, so a file written in small writes, or small files whose records interleave in one
+segment, cost about one request per window, not one per record. A record of REMOTE_ALONE
+bytes or more is fetched alone, and a window stops before one: the fetch first reads the
+record and WINDOW_PEEK bytes past it, and reads on to REMOTE_WINDOW only if the records seen
+there are small (at once, if the last window of that segment found only small records). A
+1 MiB write from a buffer that does not start on a page arrives as two records, 1 MiB less a
+few bytes and those few bytes; a blind 1 MiB window after each small one read the next big
+record too, which its own reader was fetching already: 1.8x the bytes of 8 such files
+restored at once. The head of a small record a window ends inside is kept for that
+record's fetch, which reads the rest. A fetch in flight is waited for, not repeated; a read
+whose records are all in the cache is served without a thread hop.
 
 A file read sequentially has its next records asked for ahead (read_ahead, called by the
 namespace): local ones read into the page cache by the kernel, remote ones fetched into the
@@ -42,6 +46,7 @@ HDR = fmt.RECORD_HEADER_SIZE
 REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
 REMOTE_WINDOW = 1 << 20  # a remote miss reads at least this much of the object, forward...
 REMOTE_ALONE = 256 << 10  # ...unless its record is this big: then that record alone
+WINDOW_PEEK = 64 << 10  # what a window reads past its record before it knows what follows
 PARTIAL_BYTES = 8 << 20  # heads of records that windows ended inside, kept for their fetch
 MAX_RUN = 4 << 20  # largest single local read that fetches a run of adjacent records
 PREFETCH_THREADS = 4  # shared-store fetches ahead of sequential reads, at once at most
@@ -56,6 +61,19 @@ class _NotCached(Exception):
 # the pages are not in the page cache. Linux 4.14+ on ext4, XFS, btrfs; a filesystem without
 # it (EOPNOTSUPP) gets the blocking read on the trio thread, as before.
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def _small_run_goes_on(data: memoryview, p: int) -> bool:
+    """Whether the records from `p` on in `data` (a window's first read; p: the end of its
+    first record) are small data records up to its end, so that reading on would bring more
+    of them; False at a big record, at anything but a data record (the seal table, the
+    footer), and at a damaged header."""
+    while p + HDR <= len(data):
+        h = fmt.decode_header(data[p:p + HDR])
+        if h is None or h[0] not in fmt.DATA_TYPES or HDR + h[1] >= REMOTE_ALONE:
+            return False
+        p += fmt.record_size(h[1])
+    return True
 
 
 class RemoteSource(Protocol):
@@ -93,6 +111,8 @@ class Reader:
         self._partial: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
         self._partial_bytes = 0
         self._inflight: dict[tuple[int, int, int], threading.Event] = {}  # (seg, start, end)
+        # segment -> whether its last window found nothing but small records after its first
+        self._small_runs: dict[int, bool] = {}
         self._scratch = bytearray(HDR + (1 << 20) + 8)
         self._nowait = _RWF_NOWAIT  # 0 once the local filesystem turned it down
         self.nowait_misses = 0  # cached-only reads that found pages missing (went to a thread)
@@ -354,7 +374,9 @@ class Reader:
                 pending = None
                 if not waited:  # once only: that window may have failed or been evicted
                     for (seg, a, b), ev in self._inflight.items():
-                        if seg == e.seg and a <= e.rec_pos and e.rec_pos + need <= b:
+                        # a window stops before a big record: only its own fetch brings it
+                        if (seg == e.seg and a <= e.rec_pos and e.rec_pos + need <= b
+                                and (a == e.rec_pos or need < REMOTE_ALONE)):
                             pending = ev
                             break
                 if pending is None:
@@ -390,14 +412,35 @@ class Reader:
 
     def _fetch_window(self, e: Extent, length: int,
                       head: memoryview | None = None) -> memoryview | None:
-        """Read `length` bytes of e's object from e's record on (of which `head`, if given, holds
-        the first bytes already); cache every whole data record that verifies, and the head of
-        a data record the window ends inside; return e's record (None if it does not verify)."""
-        if head is None:
-            data = memoryview(self._pread(e.seg, length, e.rec_pos))
+        """Read e's record and, if `length` is more than that, the small records after it, up
+        to `length` bytes of e's object from e's record on (`head`, if given, holds the first
+        bytes of e's record already: then the record alone); cache every whole data record
+        that verifies, and the head of a small data record the window ends inside; return e's
+        record (None if it does not verify)."""
+        need = HDR + e.rec_len
+        if length <= need:  # a big record: alone
+            if head is None:
+                data = memoryview(self._pread(e.seg, need, e.rec_pos))
+            else:
+                rest = self._pread(e.seg, need - len(head), e.rec_pos + len(head))
+                data = memoryview(b"".join((head, rest)))
         else:
-            rest = self._pread(e.seg, length - len(head), e.rec_pos + len(head))
-            data = memoryview(b"".join((head, rest)))
+            # the whole window at once where the last window of this segment found small
+            # records all the way (small files restored in order: one request per window)
+            n = length if self._small_runs.get(e.seg) else min(
+                length, fmt.record_size(e.rec_len) + WINDOW_PEEK)
+            at = 0 if head is None else len(head)
+            data = memoryview(self._pread(e.seg, n - at, e.rec_pos + at))
+            if head is not None:
+                data = memoryview(b"".join((head, data)))
+            more = _small_run_goes_on(data, fmt.record_size(e.rec_len))
+            if more and len(data) == n < length:
+                rest = self._pread(e.seg, length - n, e.rec_pos + n)
+                data = memoryview(b"".join((data, rest)))
+                more = _small_run_goes_on(data, fmt.record_size(e.rec_len))
+            if len(self._small_runs) >= 4096:
+                self._small_runs.clear()
+            self._small_runs[e.seg] = more
         first = None
         p = 0
         while p + HDR <= len(data):
@@ -409,7 +452,9 @@ class Reader:
             if p == 0 and (rlen != e.rec_len or rtype not in fmt.DATA_TYPES):
                 break
             if end > len(data):
-                if rtype in fmt.DATA_TYPES and p > 0:  # a copy: a view would pin the window
+                if rtype in fmt.DATA_TYPES and 0 < p and HDR + rlen < REMOTE_ALONE:
+                    # a copy: a view would pin the window (a big record's head is not kept:
+                    # its own fetch, which reads it whole, may be under way already)
                     self._keep_partial((e.seg, e.rec_pos + p), memoryview(bytes(data[p:])))
                 break
             if p == 0 or rtype in fmt.DATA_TYPES:

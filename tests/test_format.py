@@ -510,8 +510,9 @@ def test_remote_reads_fetch_windows_verify_each_record_and_never_return_bad_byte
     # one request per window, not one per record. A window that ends inside a record leaves
     # its head for the next, which reads on from there; the window holding the damaged record
     # stops parsing at it (never stepping over a bad header), so what follows it in that window
-    # is fetched again: at most one window more than the object
-    assert len(obj.reads) <= (len(seg) // REMOTE_WINDOW) + 2
+    # is fetched again: at most one window more than the object. The first window of the
+    # object reads WINDOW_PEEK past its record before it reads on: one request more
+    assert len(obj.reads) <= (len(seg) // REMOTE_WINDOW) + 3
     fetched = sum(min(o + n, len(seg)) - o for o, n in obj.reads)
     assert fetched <= len(seg) + REMOTE_WINDOW, obj.reads
     n_first = len(obj.reads)
@@ -535,7 +536,7 @@ def test_remote_reads_fetch_windows_verify_each_record_and_never_return_bad_byte
     assert len(obj.reads) == before
     r2.read(exts[1][:1], 0, size, 12 * size)
     assert bytes(r2.read_cached(exts[2][:1], 0, size, 12 * size)) == payload[2, 0]
-    assert len(obj.reads) == before + 1
+    assert len(obj.reads) <= before + 2  # the window's look past its record, then the rest
 
 
 def test_remote_cache_holds_no_more_memory_than_it_counts() -> None:
