@@ -16,5 +16,19 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
+# Skipped when nothing it depends on changed since the last install (the install is editable:
+# code changes need none). Its output is kept in .venv/setup.log and shown only on failure
+# (setuptools warns on every editable build, which is noise to someone running the demo).
+# `rm .venv/.ckptfs-setup` forces a reinstall.
+extras="test${CKPTFS_EXTRAS:+,$CKPTFS_EXTRAS}"
+stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $extras"
+if [ -x .venv/bin/ckptfs ] && [ "$(cat .venv/.ckptfs-setup 2>/dev/null)" = "$stamp" ]; then
+  exit 0
+fi
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/pip install -q -e ".[test${CKPTFS_EXTRAS:+,$CKPTFS_EXTRAS}]"
+if ! .venv/bin/pip install -q -e ".[$extras]" >.venv/setup.log 2>&1; then
+  cat .venv/setup.log >&2
+  echo "setup: pip install -e '.[$extras]' failed (output above, also in .venv/setup.log)" >&2
+  exit 1
+fi
+echo "$stamp" >.venv/.ckptfs-setup
