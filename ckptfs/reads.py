@@ -9,12 +9,12 @@ REMOTE_WINDOW bytes: every whole data record in that range is verified and kept 
 cache, so a file written in small writes, or small files whose records interleave in one
 segment, cost about one request per window, not one per record. A record of REMOTE_ALONE
 bytes or more is fetched alone, and a window stops before one: the fetch first reads the
-record and WINDOW_PEEK bytes past it, and reads on to REMOTE_WINDOW only if the records seen
-there are small (at once, if the last window of that segment found only small records). A
-1 MiB write from a buffer that does not start on a page arrives as two records, 1 MiB less a
-few bytes and those few bytes; a blind 1 MiB window after each small one read the next big
-record too, which its own reader was fetching already: 1.8x the bytes of 8 such files
-restored at once. The head of a small record a window ends inside is kept for that
+record and a little past it (WINDOW_PEEK at most), and reads on to REMOTE_WINDOW only if the
+records seen there are small (at once, if the last window of that segment found only small
+records). A 1 MiB write from a buffer that does not start on a page arrives as two records,
+1 MiB less a few bytes and those few bytes; a blind 1 MiB window after each small one read
+the next big record too, which its own reader was fetching already: 1.8x the bytes of 8 such
+files restored at once. The head of a small record a window ends inside is kept for that
 record's fetch, which reads the rest. A fetch in flight is waited for, not repeated; a read
 whose records are all in the cache is served without a thread hop.
 
@@ -46,7 +46,9 @@ HDR = fmt.RECORD_HEADER_SIZE
 REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
 REMOTE_WINDOW = 1 << 20  # a remote miss reads at least this much of the object, forward...
 REMOTE_ALONE = 256 << 10  # ...unless its record is this big: then that record alone
-WINDOW_PEEK = 64 << 10  # what a window reads past its record before it knows what follows
+# what a window reads past its record before it knows what follows: four times the record,
+# at least 4 KiB, at most 64 KiB
+WINDOW_PEEK = 64 << 10
 PARTIAL_BYTES = 8 << 20  # heads of records that windows ended inside, kept for their fetch
 MAX_RUN = 4 << 20  # largest single local read that fetches a run of adjacent records
 PREFETCH_THREADS = 4  # shared-store fetches ahead of sequential reads, at once at most
@@ -428,7 +430,7 @@ class Reader:
             # the whole window at once where the last window of this segment found small
             # records all the way (small files restored in order: one request per window)
             n = length if self._small_runs.get(e.seg) else min(
-                length, fmt.record_size(e.rec_len) + WINDOW_PEEK)
+                length, fmt.record_size(e.rec_len) + min(WINDOW_PEEK, max(4096, 4 * need)))
             at = 0 if head is None else len(head)
             data = memoryview(self._pread(e.seg, n - at, e.rec_pos + at))
             if head is not None:
