@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 HDR = fmt.RECORD_HEADER_SIZE
 REMOTE_CACHE_BYTES = 32 << 20  # whole verified records recently fetched from the shared store
-REMOTE_WINDOW = 1 << 20  # a remote miss reads at least this much of the object, forward...
+REMOTE_WINDOW = 1 << 20  # a remote miss reads up to this much of the object, forward...
 REMOTE_ALONE = 256 << 10  # ...unless its record is this big: then that record alone
 # what a window reads past its record before it knows what follows: four times the record,
 # at least 4 KiB, at most 64 KiB
