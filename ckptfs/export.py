@@ -135,6 +135,7 @@ SMALL_RECORD = 256 << 10  # records at most this big are read through a Window
 WINDOW = 4 << 20  # at most this much in one read of small records
 GAP = 1 << 20  # bytes nobody asked for read rather than another request (a GET's worth)
 READS_IN_FLIGHT = 8  # bigger records of a file read at once (GETs on S3, reads on a NAS)
+# (and as many small ones that are read alone, between them)
 
 
 class Window:
@@ -144,8 +145,9 @@ class Window:
     between two of them, and those come out of the same read. A checkpoint's small files
     lie side by side in a segment, so a run of them costs one GET on S3 (one read on a NAS)
     instead of one each, and small files far apart cost no more than they did. Bigger
-    records are read on their own, READS_IN_FLIGHT of a file's at once (begin): one GET at a
-    time moved ~100 MB/s from S3. Memory: one window, and READS_IN_FLIGHT records."""
+    records, and small ones that nothing planned lies close to, are read on their own,
+    READS_IN_FLIGHT of a file's at once (begin): one GET at a time moved ~100 MB/s from S3.
+    Memory: one window, and READS_IN_FLIGHT records."""
 
     def __init__(self, src: SharedStore | Resolver,
                  plan: dict[tuple[str, int], list[tuple[int, int]]] | None = None):
@@ -185,8 +187,13 @@ class Window:
         return end
 
     def begin(self, node: str, seg: int, offset: int, length: int) -> Callable[[], bytes]:
-        """Start a read; the returned call gives its bytes (or raises its error)."""
-        if length <= SMALL_RECORD:
+        """Start a read; the returned call gives its bytes (or raises its error). A small
+        record is read now, through the window, unless nothing planned lies close enough to
+        share its read: then it is read on the pool like a big one. (A file written in 1 MiB
+        writes from a buffer not aligned to a page is a chain of big records and few-byte
+        ones, far apart: read one at a time, each few-byte record stopped the export for a
+        whole request, ~1 MiB per round trip to S3.)"""
+        if length <= SMALL_RECORD and not self._lone(node, seg, offset, length):
             try:
                 data = self.read_range(node, seg, offset, length)
             except (OSError, SharedError) as e:
@@ -197,8 +204,16 @@ class Window:
                 return fail
             return lambda: data
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(READS_IN_FLIGHT, "ckptfs-export")
+            # big records, and as many small ones read alone between them
+            self._pool = ThreadPoolExecutor(2 * READS_IN_FLIGHT, "ckptfs-export")
         return self._pool.submit(self.src.read_range, node, seg, offset, length).result
+
+    def _lone(self, node: str, seg: int, offset: int, length: int) -> bool:
+        """A small record outside the current window that no planned record would join."""
+        i = offset - self.start
+        if (node, seg) == self.key and 0 <= i and i + length <= len(self.data):
+            return False
+        return self._extent((node, seg), offset, offset + length) == offset + length
 
     def close(self) -> None:
         if self._pool is not None:
@@ -229,13 +244,17 @@ def read_file(reader: Window, e: manifest.Entry) -> Iterator[tuple[int, bytes]]:
     the reads of the next records are under way while one is checked."""
     pending: deque[tuple[list, Callable[[], bytes]]] = deque()
     extents = iter(e.extents)
+    big = 0  # records over SMALL_RECORD in `pending`: READS_IN_FLIGHT at most (memory)
     while True:
-        while len(pending) < READS_IN_FLIGHT and (x := next(extents, None)) is not None:
+        while big < READS_IN_FLIGHT and len(pending) < 2 * READS_IN_FLIGHT \
+                and (x := next(extents, None)) is not None:
             node, seg = manifest.split_obj(x[2])
             pending.append((x, reader.begin(node, seg, x[3], fmt.RECORD_HEADER_SIZE + x[5])))
+            big += fmt.RECORD_HEADER_SIZE + x[5] > SMALL_RECORD
         if not pending:
             return
         (off, length, obj, pos, skip, rec_len), get = pending.popleft()
+        big -= fmt.RECORD_HEADER_SIZE + rec_len > SMALL_RECORD
         try:
             whole = get()
         except (OSError, SharedError) as err:

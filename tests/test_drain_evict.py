@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -270,3 +271,51 @@ def test_export_of_small_files_far_apart_reads_only_them(make_mount: MakeMount,
     assert (n, nbytes) == (20, 20 * 4096)
     assert {f"small/{p.name}": p.read_bytes() for p in (tmp_path / "out").iterdir()} == small
     assert store.bytes_read < 2 * 20 * 4096, store.bytes_read  # was 20 x 4 MiB
+
+
+def test_export_reads_the_few_byte_records_of_a_chain_alongside_the_big_ones(
+        make_mount: MakeMount, tmp_path: Path) -> None:
+    """A file written 1 MiB at a time from a buffer not aligned to a page (a `bytes` slice, a
+    tensor's storage) is a chain of records of 1 MiB less a few bytes and of those few bytes.
+    Export read each few-byte record at once and alone, so each stopped it for a whole
+    request while the big ones waited behind (~1 MiB per round trip to S3): now those go on
+    the pool with the big ones. A store 20 ms away counts the small reads in flight."""
+    from ckptfs.export import export
+    from ckptfs.shared import SharedStore
+
+    class FarStore(SharedStore):
+        def __init__(self, root: str) -> None:
+            super().__init__(root)
+            self.lock = threading.Lock()
+            self.small_now = self.small_most = self.small_reads = 0
+
+        def read_range(self, node: str, seg: int, offset: int, length: int) -> bytes:
+            small = length < 4096
+            with self.lock:
+                if small:
+                    self.small_reads += 1
+                    self.small_now += 1
+                    self.small_most = max(self.small_most, self.small_now)
+            try:
+                time.sleep(0.02)
+                return super().read_range(node, seg, offset, length)
+            finally:
+                if small:
+                    with self.lock:
+                        self.small_now -= 1
+
+    m = start_node(make_mount, "a", "n0")
+    data = blob("chain", 16 << 20)
+    fd = os.open(m.mnt / "shard.distcp", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for off in range(0, len(data), 1 << 20):
+            os.write(fd, data[off:off + (1 << 20)])  # a new bytes object: not page aligned
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    wait_published(m.mnt)
+    store = FarStore(str(m.shared))
+    assert export(store, "shard.distcp", str(tmp_path / "out"))[1] == len(data)
+    assert (tmp_path / "out" / "shard.distcp").read_bytes() == data
+    assert store.small_reads == 16, store.small_reads  # the chain: one few-byte record per MiB
+    assert store.small_most >= 2, store.small_most  # was 1: read one at a time, in line
