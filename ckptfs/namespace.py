@@ -54,8 +54,14 @@ DEFRAG_TRACKED = 8192  # files whose small writes are counted at once (memory bo
 # cannot know, so without this every record is a synchronous disk read on the trio thread.
 READ_AHEAD = knobs.number("CKPTFS_READ_AHEAD", 8 << 20, "bytes")
 READ_AHEAD_FIRST = 1 << 20  # the local window a newly sequential file starts with, doubling
-# ... and its records on the shared store this far ahead (into the reader's bounded cache)
+# ... and its records on the shared store this far ahead (into the reader's bounded cache),
+# at least: a file read alone asks for up to REMOTE_READ_AHEAD_MAX; the files read from the
+# store at once share REMOTE_READ_AHEAD_BUDGET (half the reader's cache: more, and records
+# fetched ahead are evicted before they are read, then fetched again)
 REMOTE_READ_AHEAD = knobs.number("CKPTFS_REMOTE_READ_AHEAD", 2 << 20, "bytes")
+REMOTE_READ_AHEAD_MAX = 16 << 20
+REMOTE_READ_AHEAD_BUDGET = 16 << 20
+REMOTE_STREAM_IDLE = 1.0  # s: a file not read from the store for this long no longer counts
 READ_AHEAD_TRACKED = 4096  # files whose read position is remembered at once
 DEFRAG_RUN_EXTENTS = 256  # per merged record (so < 1 MiB); one step: ~5 ms of the trio thread
 
@@ -101,6 +107,7 @@ class Namespace:
         # ino -> (where its last read ended, local and remote records asked for up to,
         # the local window)
         self.read_ahead: dict[int, tuple[int, int, int, int]] = {}
+        self._remote_streams: dict[int, float] = {}  # ino -> last read from the store (monotonic)
         self.defrag_records = 0
         self.defrag_extents = 0
     # --- plumbing -------------------------------------------------------------------------
@@ -613,7 +620,7 @@ class Namespace:
                 if e.seg & VSEG_BIT and e.seg not in self.reader.objrefs:
                     self._resolve(ino, e)
         if READ_AHEAD > 0:
-            self._read_ahead(ino, off, end, node.size)
+            self._read_ahead(ino, off, end, node.size, local)
         return exts, node.size, local
 
     def _resolve(self, ino: int, e: Extent) -> None:
@@ -623,13 +630,29 @@ class Namespace:
             raise FsError(errno.EIO, f"extent of inode {ino} names an unknown object")
         self.reader.objrefs[e.seg] = ref
 
-    def _read_ahead(self, ino: int, off: int, end: int, size: int) -> None:
+    def remote_window(self, ino: int) -> int:
+        """How far ahead to fetch a file read sequentially from the shared store: the budget
+        shared by the files read from it within the last REMOTE_STREAM_IDLE seconds, at least
+        REMOTE_READ_AHEAD, at most REMOTE_READ_AHEAD_MAX. (One process restoring one big file
+        from S3 had 2 MiB, two GETs, in flight.)"""
+        now = time.monotonic()
+        streams = self._remote_streams
+        streams[ino] = now
+        if len(streams) > 64:
+            for k in [k for k, t in streams.items() if now - t > REMOTE_STREAM_IDLE]:
+                del streams[k]
+        active = sum(1 for t in streams.values() if now - t <= REMOTE_STREAM_IDLE)
+        return max(REMOTE_READ_AHEAD, min(REMOTE_READ_AHEAD_MAX,
+                                          REMOTE_READ_AHEAD_BUDGET // active))
+
+    def _read_ahead(self, ino: int, off: int, end: int, size: int, local: bool = True) -> None:
         """Ask for the records of the next bytes of a file read sequentially (from its start,
         or on from where the last read ended, give or take the reordering of the kernel's
         own readahead requests, a few requests' worth): up to READ_AHEAD bytes of local
         records (a window that starts at READ_AHEAD_FIRST and doubles, so a read that only
-        happens to land near the last one costs little disk), REMOTE_READ_AHEAD of records on
-        the shared store, each half a window at a time. Random reads ask for nothing."""
+        happens to land near the last one costs little disk), remote_window() of records on
+        the shared store (`local`: this read found none there), each half a window at a
+        time. Random reads ask for nothing."""
         last, asked, asked_remote, win = self.read_ahead.get(ino, (0, 0, 0, READ_AHEAD_FIRST))
         if off == 0:  # a new pass over the file: where its records are may have changed
             asked = asked_remote = 0
@@ -646,25 +669,29 @@ class Namespace:
                                     win if keep else READ_AHEAD_FIRST)
             return
         win = min(win, READ_AHEAD)
-        local = (max(asked, end), min(end + win, size))
-        remote = (max(asked_remote, end), min(end + REMOTE_READ_AHEAD, size))
-        if end + win // 2 <= asked or local[0] >= local[1]:
-            local = (0, 0)
+        # grown with what the file has read so far, so that files starting together do not
+        # ask for more than their share before they know of each other
+        rwin = REMOTE_READ_AHEAD if local else max(
+            REMOTE_READ_AHEAD, min(self.remote_window(ino), end // 2))
+        on_disk = (max(asked, end), min(end + win, size))
+        remote = (max(asked_remote, end), min(end + rwin, size))
+        if end + win // 2 <= asked or on_disk[0] >= on_disk[1]:
+            on_disk = (0, 0)
         else:
             win = min(2 * win, READ_AHEAD)
-        if end + REMOTE_READ_AHEAD // 2 <= asked_remote or remote[0] >= remote[1]:
+        if end + rwin // 2 <= asked_remote or remote[0] >= remote[1]:
             remote = (0, 0)
         if len(self.read_ahead) >= READ_AHEAD_TRACKED and ino not in self.read_ahead:
             self.read_ahead.clear()
-        self.read_ahead[ino] = (end, max(asked, local[1]), max(asked_remote, remote[1]), win)
-        if local[1] or remote[1]:
-            lo = min(r[0] for r in (local, remote) if r[1])
-            hi = max(local[1], remote[1])
+        self.read_ahead[ino] = (end, max(asked, on_disk[1]), max(asked_remote, remote[1]), win)
+        if on_disk[1] or remote[1]:
+            lo = min(r[0] for r in (on_disk, remote) if r[1])
+            hi = max(on_disk[1], remote[1])
             exts = self.index.extents_in(ino, lo, hi)
             for e in exts:
                 if e.seg & VSEG_BIT and e.seg not in self.reader.objrefs:
                     self._resolve(ino, e)
-            self.reader.read_ahead(exts, local, remote)
+            self.reader.read_ahead(exts, on_disk, remote)
 
     def read(self, ino: int, off: int, size: int) -> bytes:
         """Synchronous read (local or not): for tests and tools, not the FUSE loop."""

@@ -51,7 +51,9 @@ REMOTE_ALONE = 256 << 10  # ...unless its record is this big: then that record a
 WINDOW_PEEK = 64 << 10
 PARTIAL_BYTES = 8 << 20  # heads of records that windows ended inside, kept for their fetch
 MAX_RUN = 4 << 20  # largest single local read that fetches a run of adjacent records
-PREFETCH_THREADS = 4  # shared-store fetches ahead of sequential reads, at once at most
+# shared-store fetches ahead of sequential reads, at once at most (a store's `fetches_ahead`
+# says otherwise: S3, where each is a round trip over the network)
+PREFETCH_THREADS = 4
 
 
 class _NotCached(Exception):
@@ -258,8 +260,9 @@ class Reader:
                             s == e.seg and a <= e.rec_pos < b for s, a, b in self._inflight):
                         continue
                     if self._prefetcher is None:
-                        self._prefetcher = ThreadPoolExecutor(PREFETCH_THREADS,
-                                                              "ckptfs-prefetch")
+                        self._prefetcher = ThreadPoolExecutor(
+                            getattr(self.remote, "fetches_ahead", PREFETCH_THREADS),
+                            "ckptfs-prefetch")
                 self._prefetcher.submit(self._prefetch_remote, e)
         if not hasattr(os, "posix_fadvise"):
             return

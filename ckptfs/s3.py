@@ -44,6 +44,10 @@ def is_s3(url: str) -> bool:
 
 
 class S3Store:
+    # records fetched ahead of sequential reads at once (a directory store: 4): each GET is a
+    # round trip, ~2 MiB per 36 ms of latency with 4 (ckptfs/reads.py)
+    fetches_ahead = 16
+
     def __init__(self, url: str, streams: int = 4, part_size: int = PART_SIZE):
         import boto3
         from botocore.config import Config
@@ -64,7 +68,8 @@ class S3Store:
         try:  # a missing profile, an unreadable ~/.aws/config, a malformed endpoint or region
             self.client = boto3.session.Session().client("s3", config=Config(
                 retries={"mode": "standard", "max_attempts": 8},
-                max_pool_connections=max(16, 4 * self.streams),
+                # uploads, reads, and the fetches ahead of sequential reads
+                max_pool_connections=max(16, 4 * self.streams) + self.fetches_ahead,
                 connect_timeout=5, read_timeout=60))
         except (BotoCoreError, ValueError) as e:
             raise SharedError(f"the AWS settings for {url} are not usable: {e}") from None
