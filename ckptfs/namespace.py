@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -107,7 +108,8 @@ class Namespace:
         # ino -> (where its last read ended, local and remote records asked for up to,
         # the local window)
         self.read_ahead: dict[int, tuple[int, int, int, int]] = {}
-        self._remote_streams: dict[int, float] = {}  # ino -> last read from the store (monotonic)
+        # ino -> when it last read from the store (monotonic), oldest first
+        self._remote_streams: OrderedDict[int, float] = OrderedDict()
         self.defrag_records = 0
         self.defrag_extents = 0
     # --- plumbing -------------------------------------------------------------------------
@@ -636,14 +638,13 @@ class Namespace:
         REMOTE_READ_AHEAD, at most REMOTE_READ_AHEAD_MAX. (One process restoring one big file
         from S3 had 2 MiB, two GETs, in flight.)"""
         now = time.monotonic()
-        streams = self._remote_streams
+        streams = self._remote_streams  # oldest first: O(1) a call, however many files
         streams[ino] = now
-        if len(streams) > 64:
-            for k in [k for k, t in streams.items() if now - t > REMOTE_STREAM_IDLE]:
-                del streams[k]
-        active = sum(1 for t in streams.values() if now - t <= REMOTE_STREAM_IDLE)
+        streams.move_to_end(ino)
+        while now - next(iter(streams.values())) > REMOTE_STREAM_IDLE:
+            streams.popitem(last=False)
         return max(REMOTE_READ_AHEAD, min(REMOTE_READ_AHEAD_MAX,
-                                          REMOTE_READ_AHEAD_BUDGET // active))
+                                          REMOTE_READ_AHEAD_BUDGET // len(streams)))
 
     def _read_ahead(self, ino: int, off: int, end: int, size: int, local: bool = True) -> None:
         """Ask for the records of the next bytes of a file read sequentially (from its start,
