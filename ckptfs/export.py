@@ -209,7 +209,10 @@ class Window:
         return self._pool.submit(self.src.read_range, node, seg, offset, length).result
 
     def _lone(self, node: str, seg: int, offset: int, length: int) -> bool:
-        """A small record outside the current window that no planned record would join."""
+        """A small record outside the current window that no planned record would join (an
+        export; without a plan, a reader of one small file, it is simply read now)."""
+        if not self.plan:
+            return False
         i = offset - self.start
         if (node, seg) == self.key and 0 <= i and i + length <= len(self.data):
             return False
