@@ -27,7 +27,7 @@ from ckptfs import segment as fmt
 from ckptfs.errors import FsError
 from ckptfs.index import ROOT_INO, VSEG_BIT, Extent, Index, Inode, SegState
 from ckptfs.log import SegmentLog
-from ckptfs.reads import Reader
+from ckptfs.reads import REMOTE_CACHE_BYTES, Reader
 from ckptfs.segment import Record, RecType
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ READ_AHEAD_FIRST = 1 << 20  # the local window a newly sequential file starts wi
 # fetched ahead are evicted before they are read, then fetched again)
 REMOTE_READ_AHEAD = knobs.number("CKPTFS_REMOTE_READ_AHEAD", 2 << 20, "bytes")
 REMOTE_READ_AHEAD_MAX = 16 << 20
-REMOTE_READ_AHEAD_BUDGET = 16 << 20
+REMOTE_READ_AHEAD_BUDGET = REMOTE_CACHE_BYTES // 2
 REMOTE_STREAM_IDLE = 1.0  # s: a file not read from the store for this long no longer counts
 READ_AHEAD_TRACKED = 4096  # files whose read position is remembered at once
 DEFRAG_RUN_EXTENTS = 256  # per merged record (so < 1 MiB); one step: ~5 ms of the trio thread

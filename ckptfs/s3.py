@@ -44,8 +44,9 @@ def is_s3(url: str) -> bool:
 
 
 class S3Store:
-    # records fetched ahead of sequential reads at once (a directory store: 4): each GET is a
-    # round trip, ~2 MiB per 36 ms of latency with 4 (ckptfs/reads.py)
+    # records fetched ahead of sequential reads at once (ckptfs/reads.py; a directory store:
+    # 4): each GET waits a network round trip, and 4 at a time from an endpoint 36 ms away
+    # moved 50-110 MB/s (bench/README.md, 2026-12-07, night)
     fetches_ahead = 16
 
     def __init__(self, url: str, streams: int = 4, part_size: int = PART_SIZE):
