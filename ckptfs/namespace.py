@@ -646,7 +646,7 @@ class Namespace:
         return max(REMOTE_READ_AHEAD, min(REMOTE_READ_AHEAD_MAX,
                                           REMOTE_READ_AHEAD_BUDGET // len(streams)))
 
-    def _read_ahead(self, ino: int, off: int, end: int, size: int, local: bool = True) -> None:
+    def _read_ahead(self, ino: int, off: int, end: int, size: int, local: bool) -> None:
         """Ask for the records of the next bytes of a file read sequentially (from its start,
         or on from where the last read ended, give or take the reordering of the kernel's
         own readahead requests, a few requests' worth): up to READ_AHEAD bytes of local

@@ -423,21 +423,16 @@ class Reader:
         that verifies, and the head of a small data record the window ends inside; return e's
         record (None if it does not verify)."""
         need = HDR + e.rec_len
-        if length <= need:  # a big record: alone
-            if head is None:
-                data = memoryview(self._pread(e.seg, need, e.rec_pos))
-            else:
-                rest = self._pread(e.seg, need - len(head), e.rec_pos + len(head))
-                data = memoryview(b"".join((head, rest)))
-        else:
-            # the whole window at once where the last window of this segment found small
-            # records all the way (small files restored in order: one request per window)
-            n = length if self._small_runs.get(e.seg) else min(
-                length, fmt.record_size(e.rec_len) + min(WINDOW_PEEK, max(4096, 4 * need)))
-            at = 0 if head is None else len(head)
-            data = memoryview(self._pread(e.seg, n - at, e.rec_pos + at))
-            if head is not None:
-                data = memoryview(b"".join((head, data)))
+        window = length > need  # a small record: the small ones after it too
+        # a window reads the whole of itself at once where the last window of this segment
+        # found small records all the way (small files restored in order: one request each)
+        n = need if not window else length if self._small_runs.get(e.seg) else min(
+            length, fmt.record_size(e.rec_len) + min(WINDOW_PEEK, max(4096, 4 * need)))
+        at = 0 if head is None else len(head)
+        data = memoryview(self._pread(e.seg, n - at, e.rec_pos + at))
+        if head is not None:
+            data = memoryview(b"".join((head, data)))
+        if window:
             more = _small_run_goes_on(data, fmt.record_size(e.rec_len))
             if more and len(data) == n < length:
                 rest = self._pread(e.seg, length - n, e.rec_pos + n)
