@@ -5,23 +5,28 @@ cache, or on the device) it survives a SIGKILL of the daemon, which is the first
 promise. fsync() is the second half: `sync()` makes every record appended so far durable with
 one fdatasync per segment touched, shared by every caller waiting at the same time (group commit).
 
-Big data records (DIRECT_MIN and up) bypass the page cache: the record is assembled in one
-reused, aligned staging buffer and written with O_DIRECT, starting and ending on a 4 KiB
-boundary (PAD records fill the gaps; docs/format.md). Copying checkpoint bytes into fresh page
-cache pages cost this one thread more CPU than everything else on the write path together, and
-the fdatasync behind an fsync() then had nothing left to write back. Small records stay
-buffered: an O_DIRECT write waits for the device, which a create or a 4 KiB append should not.
-Filesystems that refuse O_DIRECT (tmpfs, some network filesystems) get buffered appends only.
+Big data records (DIRECT_MIN and up) bypass the page cache: written with O_DIRECT, starting and
+ending on a 4 KiB boundary (PAD records fill the gaps; docs/format.md). Copying checkpoint bytes
+into fresh page cache pages cost this one thread more CPU than everything else on the write
+path together, and the fdatasync behind an fsync() then had nothing left to write back. The
+payload's 4 KiB-aligned middle goes to the device straight from the request's `bytes`; only its
+ends, the header and the PADs are copied, into a reused aligned staging buffer (the record is
+placed so that its payload has the same offset within a 4 KiB page in the file as in memory).
+Small records stay buffered: an O_DIRECT write waits for the device, which a create or a 4 KiB
+append should not. Filesystems that refuse O_DIRECT (tmpfs, some network filesystems) get
+buffered appends only.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import logging
 import mmap
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +51,48 @@ PIPELINE_DEPTH = 8  # data records queued for the writer thread at most
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
 QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 64 << 10, "bytes")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
+# a direct record's payload this big is written from where it lies in memory, not copied
+# (CKPTFS_ZERO_COPY=0: always copied into the staging buffer)
+ZERO_COPY_MIN = 64 << 10 if os.environ.get("CKPTFS_ZERO_COPY", "1") != "0" else 0
+_STAGE_TAIL = 3 * ALIGN  # where a zero-copy record's end is staged (its start goes below)
+
+
+def _bytes_data_offset() -> int | None:
+    """How far past id(b) a bytes object's data starts (CPython: the object's address and
+    header), checked against ctypes' view of it; None where that does not hold."""
+    try:
+        offset = sys.getsizeof(b"") - 1
+        for b in (b"ckptfs" * 3, bytes(1000)):
+            if ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value != id(b) + offset:
+                return None
+        return offset
+    except (TypeError, ValueError):
+        return None
+
+
+_BYTES_DATA = _bytes_data_offset()
+
+
+def _dio_unit(path: str) -> int:
+    """The alignment an O_DIRECT write to the filesystem holding `path` needs of each piece's
+    address and length: the larger of the device's logical block size and DMA alignment, from
+    /sys/dev/block (512 for most disks). ALIGN, which every device accepts, where that cannot
+    be read (a partition's queue is its disk's; a filesystem without a block device of its
+    own has none)."""
+    try:
+        st_dev = os.stat(path).st_dev
+        dev = f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}"
+        queue = os.path.join(dev, "queue")
+        if not os.path.isdir(queue):
+            queue = os.path.join(dev, "..", "queue")
+        with open(os.path.join(queue, "logical_block_size")) as f:
+            block = int(f.read())
+        with open(os.path.join(queue, "dma_alignment")) as f:
+            dma = int(f.read()) + 1
+    except (OSError, ValueError):
+        return ALIGN
+    unit = max(block, dma, 512)
+    return unit if unit <= ALIGN and unit & (unit - 1) == 0 else ALIGN
 
 
 class Cancelled(OSError):
@@ -54,34 +101,46 @@ class Cancelled(OSError):
 
 class LogWrite:
     """One write of the log queued for the writer thread: a data record (direct, from a
-    staging buffer, or buffered) or a PAD. See SegmentLog.append(later=...)."""
+    staging buffer, or buffered) or a PAD. See SegmentLog.append(later=...).
+
+    `done` is set by the writer thread under `written`, a condition shared by the log's
+    writes (not a threading.Event each: creating one cost 4% of the trio thread's time in a
+    save of big shards, py-spy)."""
 
     __slots__ = ("rtype", "ino", "offset", "time_ns", "seq", "payload_len", "head", "pos",
-                 "size", "trail", "bufs", "nbytes", "fd", "later", "stage", "done", "event",
-                 "token", "error", "retry")
+                 "size", "lead", "trail", "bufs", "nbytes", "fd", "later", "stage", "done",
+                 "written", "event", "token", "error", "retry", "zero_copy")
 
     def __init__(self, fd: int, pos: int, bufs: list, nbytes: int,
-                 token: trio.lowlevel.TrioToken):
+                 token: trio.lowlevel.TrioToken, written: threading.Condition):
         self.fd, self.pos, self.bufs, self.nbytes, self.token = fd, pos, bufs, nbytes, token
+        self.written = written
         self.rtype = RecType.PAD
         self.ino = self.offset = self.time_ns = self.seq = self.payload_len = 0
         self.head = b""
         self.size = nbytes
-        self.trail = 0
+        self.lead = self.trail = 0  # PAD bytes before and after a direct record, in the write
+        self.zero_copy = False  # the write reads the payload where it lies, not staged
         self.later: Callable[[int, Record], None] | None = None
         self.stage = -1  # staging buffer in use, or -1
-        self.done = threading.Event()  # the writer thread finished with it (either way)
+        self.done = False  # the writer thread finished with it (either way)
         self.event = trio.Event()  # the same, for trio tasks
         self.error: OSError | None = None
         self.retry = False  # not written: append it again (O_DIRECT refused, or cancelled)
 
     async def wait(self) -> None:
-        if self.done.is_set():
+        if self.done:
             return
         if trio.lowlevel.current_trio_token() is self.token:
             await self.event.wait()
         else:  # queued under another trio run, which the writer thread wakes: not this one
-            await trio.to_thread.run_sync(self.done.wait)
+            await trio.to_thread.run_sync(self.wait_sync)
+
+    def wait_sync(self) -> None:
+        """Block until the writer thread finished with it."""
+        if not self.done:
+            with self.written:
+                self.written.wait_for(lambda: self.done)
 
 
 @dataclass
@@ -92,6 +151,7 @@ class LogStats:
     flushes: int = 0
     sync_calls: int = 0
     direct_records: int = 0  # records written around the page cache
+    zero_copy_records: int = 0  # of those, written from the payload's own memory
     pad_bytes: int = 0  # PAD records that align them
     # every reason ns.seal() is given, so that each is reported from the start
     seals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
@@ -110,6 +170,9 @@ class SegmentLog:
         self.fd = -1
         self.dfd = -1  # O_DIRECT descriptor of the active segment (-1: none / not supported)
         self.direct_min = DIRECT_MIN
+        self.zero_copy_min = ZERO_COPY_MIN if _BYTES_DATA is not None else 0
+        # what the device asks of a direct write's memory and of its pieces' lengths
+        self.dio_unit = _dio_unit(seg_dir)
         # aligned staging buffers for direct records, one per queued record at most
         self._stages: list[tuple[mmap.mmap, memoryview] | None] = [None] * (PIPELINE_DEPTH + 1)
         self._free_stages = list(range(PIPELINE_DEPTH + 1))
@@ -120,6 +183,7 @@ class SegmentLog:
         self.submitted: LogWrite | None = None  # the data record the last append queued
         self._halt = False  # a queued write failed: the writer skips the rest (Cancelled)
         self._jobs: queue.SimpleQueue[LogWrite | None] = queue.SimpleQueue()
+        self._written = threading.Condition(threading.Lock())  # a LogWrite is done
         self._writer: threading.Thread | None = None
         self.tail = 0
         self.seq = 0
@@ -329,22 +393,66 @@ class SegmentLog:
 
     def _pad(self, gap: int) -> None:
         """A buffered PAD record filling `gap` bytes (>= a record header) from the tail."""
-        body = fmt.pad_body(gap)
-        self._pwritev(fmt.encode_record(RecType.PAD, 0, 0, 0, 0, body), gap)
+        self._pwritev([fmt.pad_header(gap), fmt.pad_body(gap)], gap)
         self.stats.pad_bytes += gap
 
     def _stage(self, k: int, rtype: int, ino: int, offset: int, now: int,
-               payload: bytes | memoryview, size: int) -> tuple[bytes, int, memoryview]:
-        """Prepare a direct write of one record in staging buffer k, to start on an ALIGN
-        boundary: (header, PAD bytes after the record, the aligned view to write).
+               payload: bytes | memoryview, size: int) -> tuple[bytes, int, int, list, int]:
+        """Prepare a direct write of one record at the tail (on an ALIGN boundary) using
+        staging buffer k: (header, PAD bytes before the record, PAD bytes after it, the
+        buffers to write, their length).
 
-        The record starts on a boundary (a PAD before it fills the gap from the tail) and a
-        PAD after it, in the same write, runs to the next boundary, so no direct write shares
-        a page with buffered records: the kernel has no cached page to write back or
-        invalidate first, and the next buffered append starts a fresh page.
+        The write starts on a boundary (a PAD before it fills the gap from the last buffered
+        record) and a PAD after the record, in the same write, runs to the next boundary, so
+        no direct write shares a page with buffered records: the kernel has no cached page to
+        write back or invalidate first, and the next buffered append starts a fresh page.
+
+        A big `bytes` payload is not copied: a PAD at the start of the write (`lead`) places
+        the record so that the payload's offset within a page of the file is its address's
+        within a page of memory. Its page-aligned middle is then written from where it lies,
+        and only the header and its first and last few bytes are staged (a PAD, the header
+        and the head of the payload; the tail of the payload and the PAD after it). Anything
+        else (a memoryview, a small payload) is copied whole into the staging buffer.
         """
-        trail = fmt.pad_gap(size, ALIGN)  # the record starts on a boundary
-        total = size + trail
+        head = fmt.encode_header(rtype, ino, offset, now, self.seq, payload)
+        n = len(payload)
+        h = fmt.RECORD_HEADER_SIZE
+        addr = (id(payload) + _BYTES_DATA if type(payload) is bytes
+                and n >= self.zero_copy_min > 0 else -1)
+        if addr < 0 or addr % 8:  # (records start 8-aligned, as the payload must then)
+            trail = fmt.pad_gap(size, ALIGN)
+            total = size + trail
+            stage = self._staging(k, total)
+            stage[:h] = head
+            stage[h:h + n] = payload
+            stage[h + n:size] = fmt.ZEROS[:size - h - n]
+            if trail:
+                self._stage_pad(stage, size, trail)
+            return head, 0, trail, [stage[:total]], total
+        unit = self.dio_unit
+        lead = fmt.pad_gap(h - addr, unit)  # the tail is aligned: payload at addr mod unit
+        before = -addr % unit  # payload bytes before its first aligned address
+        middle = (n - before) // unit * unit
+        after = n - before - middle
+        trail = fmt.pad_gap(lead + size, ALIGN)
+        stage = self._staging(k, _STAGE_TAIL + ALIGN + size - n + trail)
+        if lead:
+            self._stage_pad(stage, 0, lead)
+        first = lead + h + before  # a multiple of ALIGN
+        stage[lead:lead + h] = head
+        stage[lead + h:first] = payload[:before]
+        end = _STAGE_TAIL + after + (size - h - n)
+        stage[_STAGE_TAIL:_STAGE_TAIL + after] = payload[n - after:]
+        stage[_STAGE_TAIL + after:end] = fmt.ZEROS[:size - h - n]
+        if trail:
+            self._stage_pad(stage, end, trail)
+        bufs = [stage[:first], memoryview(payload)[before:before + middle]]
+        if end + trail > _STAGE_TAIL:
+            bufs.append(stage[_STAGE_TAIL:end + trail])
+        return head, lead, trail, bufs, lead + size + trail
+
+    def _staging(self, k: int, total: int) -> memoryview:
+        """Staging buffer k, at least `total` bytes long."""
         slot = self._stages[k]
         if slot is None or len(slot[0]) < total:
             if slot is not None:
@@ -352,18 +460,13 @@ class SegmentLog:
                 slot[0].close()
             buf = mmap.mmap(-1, max(total, (1 << 20) + 2 * ALIGN))
             slot = self._stages[k] = (buf, memoryview(buf))
-        stage = slot[1]
-        head = fmt.encode_header(rtype, ino, offset, now, self.seq, payload)
-        n = len(payload)
+        return slot[1]
+
+    @staticmethod
+    def _stage_pad(stage: memoryview, at: int, gap: int) -> None:
         h = fmt.RECORD_HEADER_SIZE
-        stage[:h] = head
-        stage[h:h + n] = payload
-        stage[h + n:size] = fmt.ZEROS[:size - h - n]
-        if trail:
-            body = fmt.pad_body(trail)
-            stage[size:size + h] = fmt.encode_header(RecType.PAD, 0, 0, 0, 0, body)
-            stage[size + h:total] = body
-        return head, trail, stage[:total]
+        stage[at:at + h] = fmt.pad_header(gap)
+        stage[at + h:at + gap] = fmt.pad_body(gap)
 
     def _append_direct(self, rtype: int, ino: int, offset: int, now: int,
                        payload: bytes | memoryview, size: int) -> tuple[bytes, int] | None:
@@ -372,30 +475,42 @@ class SegmentLog:
         gap = fmt.pad_gap(self.tail, ALIGN)
         if gap:
             self._pad(gap)
-        head, trail, view = self._stage(0, rtype, ino, offset, now, payload, size)
+        head, lead, trail, bufs, nbytes = self._stage(0, rtype, ino, offset, now, payload, size)
         try:
-            done = os.pwritev(self.dfd, [view], self.tail)
+            done = os.pwritev(self.dfd, bufs, self.tail)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 self._cut()
                 raise
-            self._no_direct(f"O_DIRECT write refused: {e.strerror}")
+            self._refused(bool(lead) or len(bufs) > 1, e)
             return None
-        if done != len(view):
+        if done != nbytes:
             self._cut()
             raise OSError(errno.ENOSPC, "short write to the log")
-        pos = self.tail
-        self.tail += len(view)
+        pos = self.tail + lead
+        self.tail += nbytes
         self.stats.direct_records += 1
-        self.stats.pad_bytes += trail
+        self.stats.zero_copy_records += len(bufs) > 1
+        self.stats.pad_bytes += lead + trail
         return head, pos
+
+    def _refused(self, zero_copy: bool, e: OSError) -> None:
+        """A direct write was refused (EINVAL). One from the payload's own memory: such
+        writes stop, staged ones go on (a device that wants more than ALIGN-aligned memory,
+        which no device this was tried on does); a staged one: direct writes stop."""
+        if zero_copy and self.zero_copy_min:
+            log.info("log appends copy every payload: an O_DIRECT write from its memory was "
+                     "refused (%s)", e.strerror)
+            self.zero_copy_min = 0
+        else:
+            self._no_direct(f"O_DIRECT write refused: {e.strerror}")
 
     # --- the writer thread ----------------------------------------------------------------
 
     def _fits_queue(self, size: int) -> bool:
         """A record of `size` bytes may be queued: a segment is open and has room for it with
         its PADs (the queue never crosses a segment's end)."""
-        return self.fd >= 0 and self.tail + size + 3 * ALIGN < self.segment_size
+        return self.fd >= 0 and self.tail + size + 4 * ALIGN < self.segment_size
 
     def _queue_full(self, n: int) -> bool:
         """Queueing a record of n payload bytes must wait for the oldest queued write: the
@@ -418,20 +533,20 @@ class SegmentLog:
         if direct:
             gap = fmt.pad_gap(self.tail, ALIGN)
             if gap:
-                body = fmt.pad_body(gap)
-                pad = LogWrite(self.fd, self.tail, fmt.encode_record(RecType.PAD, 0, 0, 0, 0,
-                                                                     body), gap, self.token)
+                pad = LogWrite(self.fd, self.tail, [fmt.pad_header(gap), fmt.pad_body(gap)],
+                               gap, self.token, self._written)
                 self._enqueue(pad)
         self.seq += 1
         if direct:
             k = self._free_stages.pop()
-            head, trail, view = self._stage(k, rtype, ino, offset, now, payload, size)
-            job = LogWrite(self.dfd, self.tail, [view], len(view), self.token)
-            job.stage, job.trail = k, trail
+            head, lead, trail, bufs, nbytes = self._stage(k, rtype, ino, offset, now, payload,
+                                                          size)
+            job = LogWrite(self.dfd, self.tail, bufs, nbytes, self.token, self._written)
+            job.stage, job.lead, job.trail, job.zero_copy = k, lead, trail, len(bufs) > 1
         else:
             parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
             head = parts[0]
-            job = LogWrite(self.fd, self.tail, parts, size, self.token)
+            job = LogWrite(self.fd, self.tail, parts, size, self.token, self._written)
         job.rtype, job.ino, job.offset, job.time_ns, job.seq = rtype, ino, offset, now, self.seq
         job.payload_len, job.head, job.size, job.later = n, head, size, later
         self._enqueue(job)
@@ -463,7 +578,9 @@ class SegmentLog:
                     job.error = e
                 if job.error is not None:
                     self._halt = True
-            job.done.set()
+            with self._written:
+                job.done = True
+                self._written.notify_all()
             try:
                 job.token.run_sync_soon(job.event.set)
             except trio.RunFinishedError:
@@ -476,7 +593,7 @@ class SegmentLog:
         written), and each of those records is marked for a retry by its writer."""
         while self.queued:
             job = self.queued[0]
-            job.done.wait()
+            job.wait_sync()
             self.queued.popleft()
             if job.stage >= 0:
                 self._free_stages.append(job.stage)
@@ -488,9 +605,10 @@ class SegmentLog:
             else:
                 if job.stage >= 0:
                     self.stats.direct_records += 1
-                    self.stats.pad_bytes += job.trail
+                    self.stats.zero_copy_records += job.zero_copy
+                    self.stats.pad_bytes += job.lead + job.trail
                 rec = self._appended(job.rtype, job.ino, job.offset, job.time_ns, job.seq, b"",
-                                     job.payload_len, job.head, job.pos, job.size)
+                                     job.payload_len, job.head, job.pos + job.lead, job.size)
                 assert job.later is not None
                 job.later(self.seg_id, rec)
             if job is upto:
@@ -501,14 +619,14 @@ class SegmentLog:
         err = failed.error
         assert err is not None
         if err.errno == errno.EINVAL and failed.stage >= 0:
-            self._no_direct(f"O_DIRECT write refused: {err.strerror}")
+            self._refused(failed.zero_copy, err)
             failed.retry = True
         # A PAD has no request of its own to fail: its error is the record's it was queued
         # for (right behind it). Appended again instead, that record would queue behind a new
         # PAD at the same tail, which could fail the same way without end.
         owner = self.queued[0] if failed.rtype == RecType.PAD and self.queued else None
         for job in self.queued:  # cancelled behind it: never written
-            job.done.wait()
+            job.wait_sync()
             if job.stage >= 0:
                 self._free_stages.append(job.stage)
             if job is owner and not failed.retry:

@@ -19,6 +19,7 @@ version of this module.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import struct
 from dataclasses import dataclass
@@ -164,6 +165,13 @@ def pad_gap(pos: int, align: int) -> int:
 def pad_body(gap: int) -> memoryview:
     """The zero payload of a PAD record `gap` bytes long in all."""
     return memoryview(ZEROS)[:gap - RECORD_HEADER_SIZE]
+
+
+@functools.cache
+def pad_header(gap: int) -> bytes:
+    """The header of a PAD record `gap` bytes long in all (the same every time: its fields
+    are zero and its payload zeros). Fewer than ALIGN + 56 sizes are ever asked for."""
+    return encode_header(RecType.PAD, 0, 0, 0, 0, pad_body(gap))
 
 
 def encode_record(rtype: int, ino: int, offset: int, time_ns: int, seq: int,

@@ -853,17 +853,21 @@ def raw_records(path: str) -> list[tuple[int, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("direct,copied", [(True, False), (True, True), (False, False)],
+                         ids=["direct", "direct-copied", "buffered"])
 def test_big_writes_go_around_the_page_cache_aligned_and_replay_the_same(
-        tmp_path: Path, direct: bool) -> None:
+        tmp_path: Path, direct: bool, copied: bool) -> None:
     """Data records of DIRECT_MIN bytes and more are written with O_DIRECT on 4 KiB
-    boundaries with PAD records around them; small records stay buffered. Reads, the sealed
-    table and a replay from the log alone see exactly the same files either way."""
+    boundaries with PAD records around them, their payload from where it lies in memory
+    (or copied whole into the staging buffer); small records stay buffered. Reads, the
+    sealed table and a replay from the log alone see exactly the same files every way."""
     from ckptfs import log as logmod
 
     index, log, ns = make(tmp_path, seg_size=8 << 20)
     if not direct:
         log.direct_min = 0
+    if copied:
+        log.zero_copy_min = 0
     sizes = [300 << 10, 5000, logmod.DIRECT_MIN, logmod.DIRECT_MIN - 8, 1 << 20, 77,
              (1 << 20) + 13, 200 << 10, 4096]
     rnd = random.Random(5)
@@ -883,6 +887,8 @@ def test_big_writes_go_around_the_page_cache_aligned_and_replay_the_same(
             ns.write(ino, off, patch)
             files[ino][off:off + 100] = patch
     assert log.stats.direct_records == (big if direct else 0)
+    # the big payloads are `bytes`: written from where they lie, not copied
+    assert log.stats.zero_copy_records == (big if direct and not copied else 0)
     for ino, want in files.items():
         assert ns.read(ino, 0, 2 << 20) == bytes(want)
 
@@ -895,13 +901,30 @@ def test_big_writes_go_around_the_page_cache_aligned_and_replay_the_same(
         scanned = [r for r in fmt.scan_segment(path)]
         assert [(r.pos, r.type) for r in scanned] == \
             [(p, t) for p, t, _n in raw if t != RecType.PAD]
-        for p, t, n in raw:
-            if t == RecType.PAD:
-                pads += 1
-                assert (p + fmt.record_size(n)) % logmod.ALIGN == 0
-            elif t == RecType.WRITE and n >= logmod.DIRECT_MIN and direct:
+        for i, (p, t, n) in enumerate(raw):
+            end = p + fmt.record_size(n)
+            if t == RecType.WRITE and n >= logmod.DIRECT_MIN and direct:
+                # its write starts on a boundary: the record itself, or a PAD right before
+                # it (which places a zero-copy payload as it lies in memory); and ends on one
                 directs += 1
-                assert p % logmod.ALIGN == 0, f"direct record at {p} not aligned"
+                start = p
+                if p % logmod.ALIGN:
+                    pp, pt, pn = raw[i - 1]
+                    assert pt == RecType.PAD and pp + fmt.record_size(pn) == p, p
+                    start = pp
+                assert start % logmod.ALIGN == 0, f"direct write at {start} not aligned"
+                if end % logmod.ALIGN:
+                    np_, nt, nn = raw[i + 1]
+                    assert nt == RecType.PAD and np_ == end, end
+                    end = np_ + fmt.record_size(nn)
+                assert end % logmod.ALIGN == 0, f"direct write ends at {end}, not aligned"
+            elif t == RecType.PAD:
+                pads += 1
+                # a PAD fills up to a boundary, or from one up to a direct record
+                nxt = raw[i + 1] if i + 1 < len(raw) else None
+                assert end % logmod.ALIGN == 0 or (
+                    p % logmod.ALIGN == 0 and nxt is not None and nxt[0] == end
+                    and nxt[1] == RecType.WRITE and nxt[2] >= logmod.DIRECT_MIN), (p, n)
         size = os.path.getsize(path)
         with open(path, "rb") as fh:
             sealed = fmt.SealedSegment(path, size, lambda o, n: os.pread(fh.fileno(), n, o))
