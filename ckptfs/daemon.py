@@ -54,6 +54,12 @@ GC_INTERVAL = knobs.number("CKPTFS_GC_INTERVAL", 15.0, "seconds", 0.01)
 # `wait`s that arrive within this long of each other share one seal of the active segment:
 # 64 ranks each waiting for its own shard sealed 35 segments (35 objects on SHARED)
 WAIT_COALESCE = knobs.number("CKPTFS_WAIT_COALESCE", 0.05, "seconds", 0)
+# pyfuse3's request tasks kept waiting for requests when idle. Each owns a 1 MiB request
+# buffer, which libfuse allocates at the task's first read and frees when the task ends; with
+# pyfuse3's default of 1, every burst of concurrent requests started tasks (and buffers) that
+# ended again once idle: a 3,000-file storm from 8 ranks took 8-15% longer, with 10% more
+# daemon CPU (bench/README, 2026-12-07 morning)
+FUSE_TASKS = knobs.number("CKPTFS_FUSE_TASKS", 16, "tasks", 1)
 
 
 @dataclass
@@ -530,7 +536,7 @@ class Daemon:
             nursery.start_soon(self._signals)
             await nursery.start(control.serve, self)
             nursery.start_soon(self._tune_read_ahead)
-            await pyfuse3.main()
+            await pyfuse3.main(min_tasks=FUSE_TASKS, max_tasks=max(99, FUSE_TASKS))
             pending = self.drain.pending() if not self.cfg.read_only else []
             if pending:
                 log.info("unmounted with %d segments (%d bytes) not yet on SHARED: they stay "
