@@ -9,9 +9,10 @@ Big data records (DIRECT_MIN and up) bypass the page cache: written with O_DIREC
 ending on a 4 KiB boundary (PAD records fill the gaps; docs/format.md). Copying checkpoint bytes
 into fresh page cache pages cost this one thread more CPU than everything else on the write
 path together, and the fdatasync behind an fsync() then had nothing left to write back. The
-payload's 4 KiB-aligned middle goes to the device straight from the request's `bytes`; only its
-ends, the header and the PADs are copied, into a reused aligned staging buffer (the record is
-placed so that its payload has the same offset within a 4 KiB page in the file as in memory).
+payload's block-aligned middle goes to the device straight from the request's `bytes`; only
+its ends, the header and the PADs are copied, into a reused aligned staging buffer (the record
+is placed so that its payload has the same offset within a device block in the file as in
+memory).
 Small records stay buffered: an O_DIRECT write waits for the device, which a create or a 4 KiB
 append should not. Filesystems that refuse O_DIRECT (tmpfs, some network filesystems) get
 buffered appends only.
@@ -408,11 +409,12 @@ class SegmentLog:
         write back or invalidate first, and the next buffered append starts a fresh page.
 
         A big `bytes` payload is not copied: a PAD at the start of the write (`lead`) places
-        the record so that the payload's offset within a page of the file is its address's
-        within a page of memory. Its page-aligned middle is then written from where it lies,
-        and only the header and its first and last few bytes are staged (a PAD, the header
-        and the head of the payload; the tail of the payload and the PAD after it). Anything
-        else (a memoryview, a small payload) is copied whole into the staging buffer.
+        the record so that the payload's offset within a block (`dio_unit`) of the file is its
+        address's within a block of memory. Its block-aligned middle is then written from
+        where it lies, and only the header and its first and last few bytes are staged (a PAD,
+        the header and the head of the payload; the tail of the payload and the PAD after
+        it). Anything else (a memoryview, a small payload) is copied whole into the staging
+        buffer.
         """
         head = fmt.encode_header(rtype, ino, offset, now, self.seq, payload)
         n = len(payload)
@@ -438,7 +440,7 @@ class SegmentLog:
         stage = self._staging(k, _STAGE_TAIL + ALIGN + size - n + trail)
         if lead:
             self._stage_pad(stage, 0, lead)
-        first = lead + h + before  # a multiple of ALIGN
+        first = lead + h + before  # a multiple of unit
         stage[lead:lead + h] = head
         stage[lead + h:first] = payload[:before]
         end = _STAGE_TAIL + after + (size - h - n)
@@ -482,7 +484,7 @@ class SegmentLog:
             if e.errno != errno.EINVAL:
                 self._cut()
                 raise
-            self._refused(bool(lead) or len(bufs) > 1, e)
+            self._refused(len(bufs) > 1, e)
             return None
         if done != nbytes:
             self._cut()
@@ -496,8 +498,9 @@ class SegmentLog:
 
     def _refused(self, zero_copy: bool, e: OSError) -> None:
         """A direct write was refused (EINVAL). One from the payload's own memory: such
-        writes stop, staged ones go on (a device that wants more than ALIGN-aligned memory,
-        which no device this was tried on does); a staged one: direct writes stop."""
+        writes stop and staged ones go on (the device wants more alignment than /sys/dev/block
+        said, or something between it and the filesystem does); a staged one: direct writes
+        stop."""
         if zero_copy and self.zero_copy_min:
             log.info("log appends copy every payload: an O_DIRECT write from its memory was "
                      "refused (%s)", e.strerror)
