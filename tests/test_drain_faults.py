@@ -768,9 +768,10 @@ def test_an_old_nvme_directory_back_after_a_new_one_took_over_never_adopts_its_o
              "the old directory's drain to refuse the other directory's objects")
     after = {p.name: p.read_bytes() for p in objects(m.shared, "n0")}
     assert {n: after.get(n) for n in published} == published  # untouched
-    # The old directory published only segments of ids the new one never used: when the kill
-    # left an upload half done on SHARED, the new directory numbered its segments after it
-    # (the leftovers are removed at mount), a race of the kill with the upload
+    # The old directory published only segments of ids the new one never used: two uploads
+    # run at once, so the kill can come after segment 2's upload finished and before segment
+    # 1's did; the new directory numbers its segments after 2, and the old one publishes its
+    # own 1 when it comes back, an id nobody else used (a race of the kill with the uploads)
     assert status(m)["segments_uploaded"] == len(after.keys() - published.keys()), status(m)
     m.unmount(timeout=30)
 
