@@ -110,7 +110,7 @@ class LogWrite:
 
     __slots__ = ("rtype", "ino", "offset", "time_ns", "seq", "payload_len", "head", "pos",
                  "size", "lead", "trail", "bufs", "nbytes", "fd", "later", "stage", "done",
-                 "written", "event", "token", "error", "retry", "zero_copy")
+                 "written", "event", "token", "error", "retry")
 
     def __init__(self, fd: int, pos: int, bufs: list, nbytes: int,
                  token: trio.lowlevel.TrioToken, written: threading.Condition):
@@ -121,13 +121,17 @@ class LogWrite:
         self.head = b""
         self.size = nbytes
         self.lead = self.trail = 0  # PAD bytes before and after a direct record, in the write
-        self.zero_copy = False  # the write reads the payload where it lies, not staged
         self.later: Callable[[int, Record], None] | None = None
         self.stage = -1  # staging buffer in use, or -1
         self.done = False  # the writer thread finished with it (either way)
         self.event = trio.Event()  # the same, for trio tasks
         self.error: OSError | None = None
         self.retry = False  # not written: append it again (O_DIRECT refused, or cancelled)
+
+    @property
+    def zero_copy(self) -> bool:
+        """A direct write that reads the payload where it lies (a staged one is one buffer)."""
+        return self.stage >= 0 and len(self.bufs) > 1
 
     async def wait(self) -> None:
         if self.done:
@@ -545,7 +549,7 @@ class SegmentLog:
             head, lead, trail, bufs, nbytes = self._stage(k, rtype, ino, offset, now, payload,
                                                           size)
             job = LogWrite(self.dfd, self.tail, bufs, nbytes, self.token, self._written)
-            job.stage, job.lead, job.trail, job.zero_copy = k, lead, trail, len(bufs) > 1
+            job.stage, job.lead, job.trail = k, lead, trail
         else:
             parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
             head = parts[0]
