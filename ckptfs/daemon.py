@@ -937,6 +937,11 @@ class Daemon:
             "read_ahead": dict(self.reader.ahead),
             "read_misses": self.reader.nowait_misses,
             "replay": self.replay_report.as_dict(),
+            # what the daemon keeps in memory per inode: each should follow the kernel's
+            # working set, not every file ever written (operations.md, "Memory")
+            "inodes_tracked": {"kernel": len(self.ns.lookups), "open": len(self.ns.opens),
+                               "written_direct": len(self.ops.written_direct),
+                               "open_direct": len(self.ops.uncached_writers)},
         }
 
     def shutdown(self) -> None:

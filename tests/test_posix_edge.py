@@ -1077,3 +1077,49 @@ def test_a_write_removes_file_capabilities_whoever_writes(mount: Mount) -> None:
     os.setxattr(path, "security.capability", caps)
     os.close(os.open(path, os.O_WRONLY))
     assert os.getxattr(path, "security.capability") == caps
+
+
+# -- what the daemon remembers per inode -------------------------------------------------------
+
+
+def _tracked(mount: Mount) -> dict:
+    res = run_cli("status", mount.mnt, "--json")
+    assert res.rc == 0, res.err
+    return json.loads(res.out)["inodes_tracked"]
+
+
+def test_written_around_the_cache_then_read_cached_sees_new_bytes_and_is_not_remembered_forever(
+        mount: Mount) -> None:
+    d = mount.mnt / "step_1"
+    d.mkdir()
+    # A reader holds the file's old bytes in the page cache; a write-only open (FUSE direct_io)
+    # then writes new ones around it. The next cached open must drop the stale pages.
+    f = d / "shard"
+    f.write_bytes(b"old" * 4096)
+    keep = os.open(f, os.O_RDONLY)  # holds the inode (and its cache) in the kernel
+    try:
+        assert os.pread(keep, 12288, 0) == b"old" * 4096
+        fd = os.open(f, os.O_WRONLY)
+        os.pwrite(fd, b"new" * 4096, 0)
+        os.close(fd)
+        with open(f, "rb") as g:
+            assert g.read() == b"new" * 4096
+    finally:
+        os.close(keep)
+    # Files written once and never opened again (a checkpoint's shards): once the kernel
+    # forgets their inodes, the daemon must forget them too, not keep one entry per file
+    # for as long as it runs.
+    for i in range(300):
+        fd = os.open(d / f"__0_{i}.distcp", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"%d" % i * 1000)
+        os.close(fd)
+    assert _tracked(mount)["written_direct"] >= 300
+    with open("/proc/sys/vm/drop_caches", "w") as dc:
+        dc.write("2\n")  # dentries and inodes: the kernel sends FORGET for each
+    t = wait_for(lambda: (lambda s: s if s["written_direct"] <= s["kernel"] + 1 and
+                          s["kernel"] < 50 else None)(_tracked(mount)),
+                 timeout=30, what="the daemon to forget the inodes the kernel forgot",
+                 interval=0.2)
+    assert t["open"] == 0 and t["open_direct"] == 0, t
+    for i in (0, 17, 299):
+        assert (d / f"__0_{i}.distcp").read_bytes() == b"%d" % i * 1000
