@@ -96,3 +96,28 @@ def test_clients_bench_runs_and_reports_each_client(tmp_path: Path) -> None:
     for ckptfs_s, plain_s, ratio in rows.values():
         assert float(ckptfs_s) > 0 and float(plain_s) > 0 and float(ratio) > 0, res.stdout
     assert list(tmp_path.iterdir()) == [], "the work directory was not removed"
+
+
+def test_steady_bench_runs_many_checkpoints_and_keeps_them_bounded(tmp_path: Path) -> None:
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    res = subprocess.run([sys.executable, "-m", "bench.steady", "--smoke", "--workdir",
+                          str(work), "--results-dir", str(results)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    [out] = list(results.glob("steady-*.json"))
+    d = json.loads(out.read_text())
+    assert [r["checkpoint"] for r in d["rounds"]] == list(range(1, 7))
+    for r in d["rounds"]:
+        assert r["ckptfs_save_s"] > 0 and r["plain_save_s"] > 0 and r["wait_s"] > 0, r
+        assert r["VmHWM"] > 0 and r["RssAnon"] > 0 and r["nvme_bytes"] > 0, r
+        assert r["shared_bytes"] > 0, r
+    s = d["summary"]
+    for key in ("save_ratio_first_half", "save_ratio_second_half", "wait_s_second_half",
+                "vmhwm_bytes", "nvme_max_checkpoints", "shared_max_checkpoints"):
+        assert s[key] > 0, (key, s)
+    # every checkpoint was published, so `ckptfs status` counted uploads
+    assert d["status"]["bytes_uploaded"] > sum(r["bytes"] for r in d["rounds"]) // 2, d["status"]
+    assert "| save time, ckptfs / plain directory (median) |" in res.stdout, res.stdout
+    assert out.with_suffix(".md").exists()
+    assert list(work.iterdir()) == [], "the work directory was not removed"
