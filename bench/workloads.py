@@ -218,9 +218,15 @@ def path_reader_rank(rank: int, barrier: Any, done: Any, out: Any, paths: list[s
 _BUFFERS: dict[int, bytes] = {}
 
 
+BUFFERS_KEPT = 4  # a run of many checkpoints (bench.steady) uses a seed per checkpoint
+
+
 def make_buffer(seed: int) -> bytes:
-    """The rank's random source, made once per process (cached across phases)."""
+    """The rank's random source, made once per process (cached across phases: the restore
+    after a save reads with the same seed; only the newest few are kept)."""
     if seed not in _BUFFERS:
+        while len(_BUFFERS) >= BUFFERS_KEPT:
+            del _BUFFERS[next(iter(_BUFFERS))]
         _BUFFERS[seed] = random.Random(seed).randbytes(BUF_SIZE)
     return _BUFFERS[seed]
 
