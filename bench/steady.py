@@ -18,13 +18,20 @@ and SHARED are sampled. The report compares the first and the second half of the
 median save ratio (ckptfs / plain), median wait, memory growth per checkpoint in the second
 half, and the largest NVME and SHARED footprint in checkpoints' worth. SHARED lags its
 retention by GC's grace and interval (`--gc-grace`, `CKPTFS_GC_INTERVAL`), so its bound is
-in rounds, not in kept checkpoints. Results: bench/results/steady-<timestamp>.json and .md.
+in rounds, not in kept checkpoints.
+
+With `--reader`, a second node (`--read-only`, its own empty NVME directory, the same SHARED)
+reads every checkpoint right after `ckptfs wait` returned, as an evaluation node would, and
+checks every byte: its read time and its memory are reported too (a node that imports
+another's namespace for days must not grow either). Results:
+bench/results/steady-<timestamp>.json and .md.
 Needs /dev/fuse; everything runs under --workdir and is unmounted and removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -34,9 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.ckptfs_target import CkptfsMount, source_fingerprint
+from bench.ckptfs_target import CkptfsMount, run_cli, source_fingerprint
 from bench.mounts import drop_caches
-from bench.workloads import plan_bytes, shutdown_pool, storm_plan, write_checkpoint
+from bench.workloads import (plan_bytes, read_checkpoint, shutdown_pool, storm_plan,
+                             write_checkpoint)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
@@ -78,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-shared", type=int, default=3)
     p.add_argument("--gc-grace", type=float, default=5.0,
                    help="ckptfs --gc-grace, seconds (default 5; the daemon's default is 60)")
+    p.add_argument("--reader", action="store_true",
+                   help="a second, read-only node reads and checks every checkpoint")
     p.add_argument("--workdir", help="parent of the work directory (default: the system's tmp)")
     p.add_argument("--results-dir", default=str(RESULTS))
     p.add_argument("--smoke", action="store_true",
@@ -98,7 +108,13 @@ def run(a: argparse.Namespace, work: Path) -> dict:
     args = ["--keep-local", str(a.keep_local), "--keep-shared", str(a.keep_shared),
             "--gc-grace", str(a.gc_grace)]
     rounds = []
-    with CkptfsMount(nvme, shared, mnt, args, work / "ckptfs.log") as m:
+    with contextlib.ExitStack() as stack:
+        m = stack.enter_context(CkptfsMount(nvme, shared, mnt, args, work / "ckptfs.log"))
+        r = None
+        if a.reader:
+            r = stack.enter_context(CkptfsMount(
+                work / "reader-nvme", shared, work / "reader-mnt",
+                ["--read-only", "--node-id", "steady-reader"], work / "reader.log"))
         for k in range(1, a.checkpoints + 1):
             plan = storm_plan(a.ranks, a.files, a.min_kib << 10, a.max_kib << 10, seed=k)
             size = plan_bytes(plan)
@@ -119,6 +135,8 @@ def run(a: argparse.Namespace, work: Path) -> dict:
                 else:
                     old = plain / "run" / f"step_{k - a.keep_local}"
                     shutil.rmtree(old, ignore_errors=True)
+            if r is not None:
+                row.update(read_on_reader(r, k, plan))
             row.update(memory(m.pid) if m.pid else {})
             row["nvme_bytes"] = du(nvme)
             row["shared_bytes"] = du(shared)
@@ -129,10 +147,35 @@ def run(a: argparse.Namespace, work: Path) -> dict:
                   f"{row.get('VmHWM', 0) / MiB:5.0f} MiB, RssAnon "
                   f"{row.get('RssAnon', 0) / MiB:4.0f} MiB; "
                   f"NVME {row['nvme_bytes'] / MiB:6.0f} MiB, SHARED "
-                  f"{row['shared_bytes'] / MiB:6.0f} MiB; {row['kept']} checkpoints kept",
+                  f"{row['shared_bytes'] / MiB:6.0f} MiB; {row['kept']} checkpoints kept"
+                  + (f"; reader: read {row['reader_read_s']:.2f} s, VmHWM "
+                     f"{row['reader_VmHWM'] / MiB:.0f} MiB, RssAnon "
+                     f"{row['reader_RssAnon'] / MiB:.0f} MiB" if r is not None else ""),
                   flush=True)
         status, _ = m.status()
-    return {"rounds": rounds, "status": status, "daemon": m.usage}
+        return {"rounds": rounds, "status": status, "daemon": m.usage,
+                "reader_daemon": r.usage if r is not None else None}
+
+
+def read_on_reader(r: CkptfsMount, k: int, plan: list) -> dict:
+    """The reader node refreshes (other nodes' manifests), then its ranks read checkpoint k
+    and check every byte against what the writers wrote."""
+    t0 = time.monotonic()
+    res = run_cli("status", str(r.mountpoint), "--refresh", "--json", timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"reader refresh: {res.stderr.strip()[-300:]}")
+    step = r.mountpoint / "run" / f"step_{k}"
+    if not step.is_dir():
+        raise RuntimeError(f"the reader does not see {step.name} after a refresh")
+    refreshed = time.monotonic() - t0
+    drop_caches()
+    got = read_checkpoint(str(step), plan, MiB, verify=True, metadata=True, buf_seed=1000 * k,
+                          timeout=1800)
+    if got["mismatch_count"]:
+        raise RuntimeError(f"the reader read wrong bytes in {step.name}: {got['mismatches']}")
+    mem = memory(r.pid) if r.pid else {}
+    return {"reader_refresh_s": refreshed, "reader_read_s": got["seconds"],
+            "reader_VmHWM": mem.get("VmHWM", 0), "reader_RssAnon": mem.get("RssAnon", 0)}
 
 
 def summarize(a: argparse.Namespace, rounds: list[dict]) -> dict:
@@ -154,6 +197,14 @@ def summarize(a: argparse.Namespace, rounds: list[dict]) -> dict:
         "nvme_max_checkpoints": max(r["nvme_bytes"] for r in rounds) / ckpt,
         "shared_max_checkpoints": max(r["shared_bytes"] for r in rounds) / ckpt,
         "shared_last_half_max_checkpoints": max(r["shared_bytes"] for r in second) / ckpt,
+        **({
+            "reader_read_gbps_first_half": statistics.median(
+                r["bytes"] / r["reader_read_s"] / 1e9 for r in first),
+            "reader_read_gbps_second_half": statistics.median(
+                r["bytes"] / r["reader_read_s"] / 1e9 for r in second),
+            "reader_vmhwm_bytes": max(r["reader_VmHWM"] for r in rounds),
+            "reader_rssanon_growth_bytes_per_checkpoint_second_half": grow("reader_RssAnon"),
+        } if a.reader else {}),
     }
 
 
@@ -169,11 +220,18 @@ def markdown(a: argparse.Namespace, s: dict, rounds: list[dict]) -> str:
         f"{s['save_ratio_second_half']:.2f} |",
         f"| `ckptfs wait` after the save, s (median) | {s['wait_s_first_half']:.2f} | "
         f"{s['wait_s_second_half']:.2f} |",
+        *([f"| reader node: read and check a checkpoint, GB/s (median) | "
+           f"{s['reader_read_gbps_first_half']:.3f} | {s['reader_read_gbps_second_half']:.3f} |"]
+          if a.reader else []),
         "",
         f"- daemon peak RSS (VmHWM) {s['vmhwm_bytes'] / MiB:.0f} MiB; growth per checkpoint "
         f"over the second half: VmHWM "
         f"{s['vmhwm_growth_bytes_per_checkpoint_second_half'] / MiB:+.2f} MiB, RssAnon "
         f"{s['rssanon_growth_bytes_per_checkpoint_second_half'] / MiB:+.2f} MiB",
+        *([f"- reader node: peak RSS (VmHWM) {s['reader_vmhwm_bytes'] / MiB:.0f} MiB; RssAnon "
+           f"growth per checkpoint over the second half "
+           f"{s['reader_rssanon_growth_bytes_per_checkpoint_second_half'] / MiB:+.2f} MiB; "
+           f"every byte of every checkpoint checked"] if a.reader else []),
         f"- NVME at most {s['nvme_max_checkpoints']:.1f} checkpoints' worth "
         f"(keeps {a.keep_local}, plus the one being written)",
         f"- SHARED at most {s['shared_max_checkpoints']:.1f} checkpoints' worth "
@@ -181,15 +239,17 @@ def markdown(a: argparse.Namespace, s: dict, rounds: list[dict]) -> str:
         f"{a.keep_shared}, plus what GC's grace and interval have not reached yet)",
         "",
         "| checkpoint | ckptfs save s | plain save s | wait s | VmHWM MiB | RssAnon MiB | "
-        "NVME MiB | SHARED MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "NVME MiB | SHARED MiB |" + (" reader read s | reader RssAnon MiB |" if a.reader else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if a.reader else ""),
     ]
     for r in rounds:
         lines.append(
             f"| {r['checkpoint']} | {r['ckptfs_save_s']:.2f} | {r['plain_save_s']:.2f} | "
             f"{r['wait_s']:.2f} | {r.get('VmHWM', 0) / MiB:.0f} | "
             f"{r.get('RssAnon', 0) / MiB:.0f} | {r['nvme_bytes'] / MiB:.0f} | "
-            f"{r['shared_bytes'] / MiB:.0f} |")
+            f"{r['shared_bytes'] / MiB:.0f} |"
+            + (f" {r['reader_read_s']:.2f} | {r['reader_RssAnon'] / MiB:.0f} |"
+               if a.reader else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -101,8 +101,8 @@ def test_clients_bench_runs_and_reports_each_client(tmp_path: Path) -> None:
 def test_steady_bench_runs_many_checkpoints_and_keeps_them_bounded(tmp_path: Path) -> None:
     work, results = tmp_path / "work", tmp_path / "results"
     work.mkdir()
-    res = subprocess.run([sys.executable, "-m", "bench.steady", "--smoke", "--workdir",
-                          str(work), "--results-dir", str(results)],
+    res = subprocess.run([sys.executable, "-m", "bench.steady", "--smoke", "--reader",
+                          "--workdir", str(work), "--results-dir", str(results)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     [out] = list(results.glob("steady-*.json"))
@@ -112,9 +112,12 @@ def test_steady_bench_runs_many_checkpoints_and_keeps_them_bounded(tmp_path: Pat
         assert r["ckptfs_save_s"] > 0 and r["plain_save_s"] > 0 and r["wait_s"] > 0, r
         assert r["VmHWM"] > 0 and r["RssAnon"] > 0 and r["nvme_bytes"] > 0, r
         assert r["shared_bytes"] > 0, r
+        # the read-only node saw each checkpoint and read it back byte for byte
+        assert r["reader_read_s"] > 0 and r["reader_RssAnon"] > 0, r
     s = d["summary"]
     for key in ("save_ratio_first_half", "save_ratio_second_half", "wait_s_second_half",
-                "vmhwm_bytes", "nvme_max_checkpoints", "shared_max_checkpoints"):
+                "vmhwm_bytes", "nvme_max_checkpoints", "shared_max_checkpoints",
+                "reader_read_gbps_second_half", "reader_vmhwm_bytes"):
         assert s[key] > 0, (key, s)
     # every checkpoint was published, so `ckptfs status` counted uploads
     assert d["status"]["bytes_uploaded"] > sum(r["bytes"] for r in d["rounds"]) // 2, d["status"]
