@@ -150,7 +150,8 @@ def run(a: argparse.Namespace, work: Path) -> dict:
                   f"{row['shared_bytes'] / MiB:6.0f} MiB; {row['kept']} checkpoints kept"
                   + (f"; reader: read {row['reader_read_s']:.2f} s, VmHWM "
                      f"{row['reader_VmHWM'] / MiB:.0f} MiB, RssAnon "
-                     f"{row['reader_RssAnon'] / MiB:.0f} MiB" if r is not None else ""),
+                     f"{row['reader_RssAnon'] / MiB:.0f} MiB, inodes tracked "
+                     f"{row['reader_inodes_tracked']}" if r is not None else ""),
                   flush=True)
         status, _ = m.status()
         return {"rounds": rounds, "status": status, "daemon": m.usage,
@@ -168,6 +169,7 @@ def read_on_reader(r: CkptfsMount, k: int, plan: list) -> dict:
     if not step.is_dir():
         raise RuntimeError(f"the reader does not see {step.name} after a refresh")
     refreshed = time.monotonic() - t0
+    tracked = json.loads(res.stdout).get("inodes_tracked", {})
     drop_caches()
     got = read_checkpoint(str(step), plan, MiB, verify=True, metadata=True, buf_seed=1000 * k,
                           timeout=1800)
@@ -175,7 +177,8 @@ def read_on_reader(r: CkptfsMount, k: int, plan: list) -> dict:
         raise RuntimeError(f"the reader read wrong bytes in {step.name}: {got['mismatches']}")
     mem = memory(r.pid) if r.pid else {}
     return {"reader_refresh_s": refreshed, "reader_read_s": got["seconds"],
-            "reader_VmHWM": mem.get("VmHWM", 0), "reader_RssAnon": mem.get("RssAnon", 0)}
+            "reader_VmHWM": mem.get("VmHWM", 0), "reader_RssAnon": mem.get("RssAnon", 0),
+            "reader_inodes_tracked": tracked}
 
 
 def summarize(a: argparse.Namespace, rounds: list[dict]) -> dict:

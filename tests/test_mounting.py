@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -178,3 +179,51 @@ def test_fixture_teardown_in_a_failing_pytest_run(tmp_path: Path) -> None:
             shutil.rmtree(basetemp, ignore_errors=True)
     assert leaked == [], f"inner run leaked mounts: {leaked}"
     assert survivors == [], f"inner run leaked daemons: {survivors}"
+
+
+ARENAS_PROBE = textwrap.dedent("""
+    import threading
+    from ckptfs.daemon import limit_malloc_arenas
+    capped = limit_malloc_arenas()
+    start = threading.Barrier(8)
+    def work():
+        start.wait()
+        for _ in range(500):
+            blocks = [bytearray(300_000) for _ in range(4)]
+            del blocks
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # each arena besides the main one is a 64 MiB-aligned heap: a rw-p mapping at its
+    # start followed by the ---p rest of its 64 MiB reservation
+    spans = []
+    for line in open("/proc/self/maps"):
+        addr, perm = line.split()[:2]
+        lo, hi = (int(x, 16) for x in addr.split("-"))
+        spans.append((lo, hi, perm))
+    heaps = sum(1 for (a, b, p), (c, d, q) in zip(spans, spans[1:])
+                if p == "rw-p" and q == "---p" and b == c and a % (64 << 20) == 0
+                and d - a == 64 << 20)
+    print(capped, heaps)
+""")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc arenas")
+def test_the_daemon_caps_malloc_arenas_unless_told_otherwise() -> None:
+    """Worker threads each get a glibc arena of their own by default, which keeps what they
+    freed: the daemon caps them at 2 (CKPTFS_MALLOC_ARENAS); MALLOC_ARENA_MAX in the
+    environment, or CKPTFS_MALLOC_ARENAS=0, leaves glibc to decide."""
+    def probe(**env: str) -> tuple[str, int]:
+        e = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+        res = subprocess.run([sys.executable, "-c", ARENAS_PROBE], env={**e, **env},
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        capped, heaps = res.stdout.split()
+        return capped, int(heaps)
+
+    assert probe() == ("True", 1)  # the main arena and one more
+    capped, heaps = probe(CKPTFS_MALLOC_ARENAS="0")
+    assert capped == "False" and heaps >= 4, heaps
+    assert probe(MALLOC_ARENA_MAX="3") == ("False", 2)
