@@ -1044,11 +1044,11 @@ def _undo_first_mount(nvme: str, before: set[str] | None) -> None:
             log.warning("could not remove %s after the failed mount: %s", path, e)
 
 
-# glibc malloc arenas the daemon's threads share. glibc gives each thread that allocates under
-# contention an arena of its own (up to 8 per CPU) and keeps what is freed in it: a node that
-# reads another node's checkpoints through 8 worker threads grew to 160 MiB of private memory
-# in 16 checkpoints (bench.steady --reader) with glibc's default, 91 MiB with 2, at the same
-# speed (the storm and bench.readpath within their noise). 0 keeps glibc's default; so does a
+# glibc malloc arenas the daemon's threads share. glibc gives each thread that allocates an
+# arena of its own (up to 8 per CPU) and keeps what is freed in it: a node that reads another
+# node's checkpoints through 8 worker threads grew to 160 MiB of private memory in 16
+# checkpoints (bench.steady --reader) with glibc's default, 86 MiB with 2, at the same speed
+# (the storm and bench.readpath within their noise). 0 keeps glibc's default; so does a
 # MALLOC_ARENA_MAX in the environment, which wins.
 MALLOC_ARENAS = knobs.number("CKPTFS_MALLOC_ARENAS", 2, "arenas")
 M_ARENA_MAX = -8  # malloc.h
