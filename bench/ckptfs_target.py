@@ -92,7 +92,8 @@ def cli_has(command: str) -> bool:
 
 
 def proc_usage(pid: int) -> dict | None:
-    """Peak RSS (VmHWM), current RSS and CPU seconds of one process, from /proc."""
+    """Peak RSS (VmHWM), current RSS, its private (RssAnon) and file-backed (RssFile) parts
+    and CPU seconds of one process, from /proc."""
     try:
         with open(f"/proc/{pid}/status") as f:
             st = {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
@@ -104,6 +105,8 @@ def proc_usage(pid: int) -> dict | None:
     return {
         "rss_peak_bytes": kib("VmHWM"),
         "rss_bytes": kib("VmRSS"),
+        "rss_anon_bytes": kib("RssAnon"),
+        "rss_file_bytes": kib("RssFile"),
         "cpu_s": (int(fields[11]) + int(fields[12])) / CLK_TCK,  # utime + stime
         "threads": int(st.get("Threads", "0")),
     }

@@ -33,6 +33,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bench.ckptfs_target import proc_usage
 from bench.mounts import unmount
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
@@ -72,13 +73,10 @@ def count(d: Path) -> int:
 
 def memory(pid: int) -> tuple[int, int]:
     """(VmHWM, RssAnon) in MiB."""
-    got = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmHWM", "RssAnon"):
-                got[k] = int(v.split()[0]) >> 10
-    return got["VmHWM"], got["RssAnon"]
+    u = proc_usage(pid)
+    if u is None or u["rss_anon_bytes"] is None:
+        raise RuntimeError(f"process {pid} is gone")
+    return u["rss_peak_bytes"] >> 20, u["rss_anon_bytes"] >> 20
 
 
 def probe(path: Path, stop: threading.Event, out: list[float]) -> None:

@@ -41,10 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.ckptfs_target import CkptfsMount, run_cli, source_fingerprint
+from bench.ckptfs_target import CkptfsMount, proc_usage, run_cli, source_fingerprint
 from bench.mounts import drop_caches
-from bench.workloads import (plan_bytes, read_checkpoint, shutdown_pool, storm_plan,
-                             write_checkpoint)
+from bench.workloads import plan_bytes, read_checkpoint, shutdown_pool, storm_plan, write_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
@@ -62,17 +61,14 @@ def du(path: Path) -> int:
     return total
 
 
-def memory(pid: int) -> dict:
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                    out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
+def memory(pid: int | None) -> dict:
+    """The daemon's VmHWM / VmRSS / RssAnon / RssFile in bytes (empty once it is gone)."""
+    u = proc_usage(pid) if pid else None
+    if u is None:
+        return {}
+    got = {"VmHWM": u["rss_peak_bytes"], "VmRSS": u["rss_bytes"],
+           "RssAnon": u["rss_anon_bytes"], "RssFile": u["rss_file_bytes"]}
+    return {k: v for k, v in got.items() if v is not None}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -137,7 +133,7 @@ def run(a: argparse.Namespace, work: Path) -> dict:
                     shutil.rmtree(old, ignore_errors=True)
             if r is not None:
                 row.update(read_on_reader(r, k, plan))
-            row.update(memory(m.pid) if m.pid else {})
+            row.update(memory(m.pid))
             row["nvme_bytes"] = du(nvme)
             row["shared_bytes"] = du(shared)
             row["kept"] = len(os.listdir(mnt / "run"))
@@ -175,7 +171,7 @@ def read_on_reader(r: CkptfsMount, k: int, plan: list) -> dict:
                           timeout=1800)
     if got["mismatch_count"]:
         raise RuntimeError(f"the reader read wrong bytes in {step.name}: {got['mismatches']}")
-    mem = memory(r.pid) if r.pid else {}
+    mem = memory(r.pid)
     return {"reader_refresh_s": refreshed, "reader_read_s": got["seconds"],
             "reader_VmHWM": mem.get("VmHWM", 0), "reader_RssAnon": mem.get("RssAnon", 0),
             "reader_inodes_tracked": tracked}
