@@ -28,6 +28,7 @@ from typing import Any
 
 import trio
 
+from ckptfs import sched
 from ckptfs import segment as fmt
 from ckptfs.index import SegState
 from ckptfs.segment import RecType
@@ -106,6 +107,7 @@ class ColdTier:
         for seg in segs:
             self.d.store.delete_object(self.d.cfg.node_id, seg)  # a missing one is fine
 
+    @sched.in_background
     def _copy(self, seg: int, size: int, local: bool) -> None:
         """Worker thread: copy one object to the cold store and verify the copy."""
         node = self.d.cfg.node_id

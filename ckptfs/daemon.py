@@ -20,7 +20,7 @@ import lmdb
 import pyfuse3
 import trio
 
-from ckptfs import control, knobs, layout
+from ckptfs import control, knobs, layout, sched
 from ckptfs.cache import CacheConfig, LocalCache
 from ckptfs.coldtier import ColdTier, Tiered
 from ckptfs.drain import PUBLISHED_DIR, Drain
@@ -943,6 +943,7 @@ class Daemon:
             "inodes_tracked": {"kernel": len(self.ns.lookups), "open": len(self.ns.opens),
                                "written_direct": len(self.ops.written_direct),
                                "open_direct": len(self.ops.uncached_writers)},
+            "priority": sched.status(),
         }
 
     def shutdown(self) -> None:
@@ -1068,6 +1069,7 @@ def limit_malloc_arenas() -> bool:
 def run_foreground(cfg: MountConfig, ready_fd: int = -1) -> int:
     if limit_malloc_arenas():
         log.debug("malloc arenas capped at %d", MALLOC_ARENAS)
+    sched.raise_priority()  # before any thread starts: they inherit it
     d = Daemon(cfg)
     settled = threading.Event()
     threading.Thread(target=_give_up_on_a_silent_store, args=(d, ready_fd, settled),

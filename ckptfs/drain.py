@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import trio
 
-from ckptfs import knobs, manifest
+from ckptfs import knobs, manifest, sched
 from ckptfs import segment as fmt
 from ckptfs.index import Index, SegState
 from ckptfs.shared import (
@@ -365,6 +365,7 @@ class Drain:
             with lock:
                 self.in_flight[seg] = self.in_flight.get(seg, 0) + n
 
+        @sched.in_background
         def upload(items: list[tuple[int, int]]) -> int:
             for seg, _size in items:
                 self.in_flight[seg] = 0

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import trio
 
-from ckptfs import layout
+from ckptfs import layout, sched
 from ckptfs import segment as fmt
 from ckptfs.index import VSEG_BIT, Index, SegState, read_applied
 from ckptfs.remote import newest_manifests
@@ -57,6 +57,7 @@ class GcStats:
     snapshots: int = 0
 
 
+@sched.in_background
 def take_snapshot(index: Index, nvme: str, name: str = SNAPSHOT_DIR) -> None:
     """Copy the committed index to NVME/<name> atomically (blocking)."""
     tmp = os.path.join(nvme, name + ".tmp")
@@ -399,7 +400,8 @@ class Collector:
         moves = [(ino, e) for ino, e in self.index.iter_all_extents() if e.seg in cands]
         moved = 0
         for ino, e in moves:
-            data = bytes(await trio.to_thread.run_sync(ns.reader.read_extent, e, 0, e.length))
+            data = bytes(await trio.to_thread.run_sync(sched.in_background(ns.reader.read_extent),
+                                                     e, 0, e.length))
             # the file may have changed while we read: move only what is still there (a big
             # write still on its way to the disk counts: join() applies it first)
             ns.log.join()

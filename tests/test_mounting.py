@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import platform
 import shutil
@@ -24,6 +25,7 @@ from mounting import (
     mount_entry,
     pid_alive,
     pids_with_arg,
+    run_cli,
 )
 
 HERE = Path(__file__).parent
@@ -227,3 +229,93 @@ def test_the_daemon_caps_malloc_arenas_unless_told_otherwise() -> None:
     capped, heaps = probe(CKPTFS_MALLOC_ARENAS="0")
     assert capped == "False" and heaps >= 4, heaps
     assert probe(MALLOC_ARENA_MAX="3") == ("False", 2)
+
+
+SCHED_PROBE = textwrap.dedent("""
+    import json, os, threading
+    from ckptfs import sched
+    def me():
+        tid = threading.get_native_id()
+        return os.getpriority(os.PRIO_PROCESS, tid), sched.status()["slice_us"]
+    out = {"start": me(), "raised": sched.raise_priority(), "after": me()}
+    def worker():
+        out["thread"] = me()  # threads started after inherit the raised priority
+        with sched.background():
+            out["background"] = me()
+            with sched.background():
+                out["nested"] = me()
+            out["background_after_nested"] = me()
+        out["thread_after"] = me()
+        out["decorated"] = sched.in_background(me)()
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    print(json.dumps(out))
+""")
+
+
+def _sched_probe(*prefix: str, **env: str) -> dict:
+    res = subprocess.run([*prefix, sys.executable, "-c", SCHED_PROBE],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return {k: (tuple(v) if isinstance(v, list) else v)
+            for k, v in json.loads(res.stdout).items()}
+
+
+def _default_slice_us() -> int | None:
+    # what a fresh thread of this kernel gets (None: the kernel does not show slices)
+    return _sched_probe(CKPTFS_PRIORITY="0")["start"][1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs CAP_SYS_NICE")
+def test_the_daemon_raises_its_threads_and_runs_background_work_as_it_was_started() -> None:
+    """Ranks wait on the daemon for every request: it raises its threads 10 nice levels with
+    a short slice (CKPTFS_PRIORITY, CKPTFS_SLICE_US), and background work goes back to the
+    priority it was started with while it runs."""
+    default = _default_slice_us()
+    out = _sched_probe()
+    base, _ = out["start"]
+    want = max(base - 10, -20)
+    assert out["raised"] is True
+    assert out["after"] == out["thread"] == out["thread_after"] == (
+        want, None if default is None else 100), out
+    for k in ("background", "nested", "background_after_nested", "decorated"):
+        assert out[k] == (base, default), (k, out)
+
+    off = _sched_probe(CKPTFS_PRIORITY="0")
+    assert off["raised"] is False
+    assert off["after"] == off["thread"] == off["background"] == off["start"], off
+
+    # started at nice 5 (a batch node's setting): raised relative to it, and back to 5
+    res = _sched_probe(CKPTFS_PRIORITY="3", CKPTFS_SLICE_US="0")
+    assert res["after"][0] == res["start"][0] - 3 and res["background"][0] == res["start"][0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="root and util-linux's setpriv, to take CAP_SYS_NICE away")
+def test_without_cap_sys_nice_the_daemon_runs_as_started_and_background_is_a_no_op() -> None:
+    out = _sched_probe("setpriv", "--bounding-set", "-sys_nice")
+    assert out["raised"] is False
+    assert out["after"] == out["thread"] == out["background"] == out["start"], out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs CAP_SYS_NICE")
+def test_a_mounted_daemon_serves_requests_at_the_raised_priority(tmp_path: Path) -> None:
+    """What `ckptfs status` says is what the kernel has for the request thread."""
+    for env, raised in (({}, True), ({"CKPTFS_PRIORITY": "0"}, False)):
+        m = Mount(tmp_path / f"m{int(raised)}", env={**os.environ, **env})
+        try:
+            m.start()
+            (m.mnt / "f").write_bytes(b"x" * 1000)  # the request path works
+            res = run_cli("status", m.mnt, "--json")
+            assert res.rc == 0, res
+            pr = json.loads(res.out)["priority"]
+            pid = m.proc.pid  # type: ignore[union-attr]
+            nice = int(Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+                       .rsplit(")", 1)[1].split()[16])
+            assert pr["raised"] is raised and pr["nice"] == nice, (pr, nice)
+            assert nice == (max(pr["started_nice"] - 10, -20) if raised
+                            else pr["started_nice"]), pr
+            m.unmount()
+        finally:
+            assert m.teardown() == []
