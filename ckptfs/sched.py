@@ -5,9 +5,11 @@ write, fsync, release), and a storm has more runnable ranks than there are CPUs.
 scheduler's default the request thread is preempted by the ranks it serves about twice per
 file and then waits a rank's whole slice with the next request in its queue (bench/README.md,
 2026-12-07, afternoon). So the daemon raises its own priority before it starts its threads,
-which inherit it: a few nice levels above the one it started with, and a short slice
-(Linux 6.12+ reads `sched_attr.sched_runtime` of a normal task as the slice it asks for), so
-that a woken request thread gets a CPU soon and does not hold it long.
+which inherit it: a few nice levels above the one it started with. It can also ask for a
+slice of its own (`CKPTFS_SLICE_US`; Linux 6.12+ reads `sched_attr.sched_runtime` of a normal
+task as the slice it asks for): a short one gets a woken request thread a CPU sooner, but
+preempts it more often while it is busy, which helped one storm and slowed another, so the
+default keeps the kernel's.
 
 Background work (the drain's copies, the cold tier's, GC's snapshot and compaction reads) is
 not something the application waits for: it runs at the daemon's starting priority, inside
@@ -35,7 +37,7 @@ from ckptfs import knobs
 log = logging.getLogger("ckptfs.sched")
 
 PRIORITY = knobs.number("CKPTFS_PRIORITY", 10, "nice levels")
-SLICE_US = knobs.number("CKPTFS_SLICE_US", 100, "microseconds")
+SLICE_US = knobs.number("CKPTFS_SLICE_US", 0, "microseconds")
 
 # sched_setattr(2) has no wrapper in glibc or Python; numbers by architecture
 _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274, "ppc64le": 355, "s390x": 345}
