@@ -185,6 +185,9 @@ class SegmentLog:
         # thread, in order, while the trio thread serves other requests (append(later=...))
         self.token: trio.lowlevel.TrioToken | None = None
         self.queued: collections.deque[LogWrite] = collections.deque()
+        # requests in unqueue(): while any waits, data writes wait in room() (trio thread)
+        self._holders = 0
+        self._hold: trio.Event | None = None
         self.submitted: LogWrite | None = None  # the data record the last append queued
         self._halt = False  # a queued write failed: the writer skips the rest (Cancelled)
         self._jobs: queue.SimpleQueue[LogWrite | None] = queue.SimpleQueue()
@@ -686,12 +689,30 @@ class SegmentLog:
         thread and holds up every other request meanwhile (in a storm of creates and fsyncs
         from 8 processes, a fifth of the trio thread's time). Wait for the queue here, serving
         other requests; the join then finds little or nothing left to wait for."""
-        await self.join_async(rounds=2)
+        if not self.queued:
+            return
+        # Data writes that arrive meanwhile wait (room()): they would queue behind us and
+        # hold us up for another round, and the caller may be a create that the kernel
+        # serves under its directory's lock, which every other create there waits for
+        # (bench/README.md, 2026-12-07, afternoon). The caller appends right after this
+        # returns, before those writers run again, so the log's order is theirs after it.
+        if self._hold is None:
+            self._hold = trio.Event()
+        self._holders += 1
+        try:
+            await self.join_async(rounds=2)
+        finally:
+            self._holders -= 1
+            if not self._holders:
+                self._hold.set()
+                self._hold = None
 
     async def room(self, n: int) -> None:
-        """Before a request appends a data record of n bytes that may be queued: with the
-        queue full, append() waits for its oldest write on the trio thread. Wait for it here
-        instead, serving other requests."""
+        """Before a request appends a data record of n bytes that may be queued: wait while
+        a request waits in unqueue(); with the queue full, append() waits for its oldest
+        write on the trio thread. Wait for it here instead, serving other requests."""
+        while self._hold is not None:
+            await self._hold.wait()
         while self._queue_full(n):
             job = self.queued[0]
             await job.wait()

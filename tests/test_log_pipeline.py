@@ -349,3 +349,54 @@ def test_a_failed_pad_fails_the_write_behind_it_instead_of_retrying_forever(
     log.token = None
     log.close()
     index.close()
+
+
+def test_writes_arriving_while_a_create_waits_for_the_queue_go_into_the_log_after_it(
+        tmp_path: Path) -> None:
+    """The kernel serves a create under its directory's exclusive lock, so every other create
+    in that directory waits for it: a create (any record the log does not queue) waits only
+    for the data writes queued before it, and writes that arrive meanwhile wait for it
+    (SegmentLog.unqueue / room) instead of queueing ahead of its record."""
+    index, log, ns = make(tmp_path, 64 << 20)
+    order: list[str] = []
+    rnd = random.Random(5)
+    late = rnd.randbytes(1 << 20)
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+        for i in range(6):
+            ns.write(f, i << 20, rnd.randbytes(1 << 20))  # queued for the writer thread
+        assert len(log.queued) >= 2, "nothing queued: the test would prove nothing"
+        waiting = trio.Event()
+
+        async def creator() -> None:
+            waiting.set()
+            await log.unqueue()
+            ns.create(ROOT_INO, b"new", 0o644, 0, 0)
+            order.append("create")
+
+        async def writer() -> None:
+            await waiting.wait()
+            await log.room(len(late))
+            ns.write(f, 8 << 20, late)
+            order.append("write")
+            if log.submitted is not None:
+                assert await log.settle(log.submitted) is False
+
+        async with trio.open_nursery() as n:
+            n.start_soon(creator)
+            n.start_soon(writer)
+        await log.sync()
+
+    trio.run(main)
+    log.token = None
+    assert order == ["create", "write"]
+    assert ns.read(ns.lookup(ROOT_INO, b"data").ino, 8 << 20, 1 << 20) == late
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(tmp_path, 64 << 20)  # the log alone says the same
+    assert ns2.lookup(ROOT_INO, b"new") is not None
+    assert ns2.read(ns2.lookup(ROOT_INO, b"data").ino, 8 << 20, 1 << 20) == late
+    log2.close()
+    index2.close()
