@@ -58,10 +58,14 @@ def _sched_setattr(nice: int, slice_ns: int) -> bool:
     attr = ctypes.create_string_buffer(
         _ATTR.pack(_ATTR.size, _SCHED_OTHER, 0, nice, 0, slice_ns, 0, 0, 0, 0))
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(nr, 0, attr, 0) == 0
+        return _libc().syscall(nr, 0, attr, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _set(nice: int, slice_us: int) -> None:
@@ -85,12 +89,6 @@ def raise_priority() -> bool:
         log.info("running at the priority it was started with (nice %d): raising it needs "
                  "CAP_SYS_NICE (%s); CKPTFS_PRIORITY=0 stops trying", base, e.strerror)
         return False
-    if os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != want:
-        # sched_setattr ignored a part (an old kernel): the nice at least
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), want)
-        except OSError:
-            return False
     _base_nice = base
     log.debug("request threads at nice %d (started at %d), slice %d us", want, base,
               int(SLICE_US))
