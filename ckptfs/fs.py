@@ -74,6 +74,18 @@ def unqueued(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def creates(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """unqueued() for a handler that appends a CREATE record (create, mkdir, mknod,
+    symlink): its record may go ahead of the queued data writes the log's writer thread has
+    not started (SegmentLog.ahead)."""
+    @functools.wraps(fn)
+    async def wrapper(self: Operations, *args: Any, **kwargs: Any) -> Any:
+        async with self.ns.log.ahead():
+            return await fn(self, *args, **kwargs)
+
+    return wrapper
+
+
 def entry(node: Inode) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = node.ino
@@ -175,19 +187,19 @@ class Operations(pyfuse3.Operations):
     # --- namespace ------------------------------------------------------------------------
 
     @fuse_errors
-    @unqueued
+    @creates
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: Any) -> pyfuse3.EntryAttributes:
         return entry(self.ns.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @fuse_errors
-    @unqueued
+    @creates
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: Any) -> pyfuse3.EntryAttributes:
         return entry(self.ns.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @fuse_errors
-    @unqueued
+    @creates
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: Any) -> pyfuse3.EntryAttributes:
         return entry(self.ns.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
@@ -254,7 +266,7 @@ class Operations(pyfuse3.Operations):
         return fi
 
     @fuse_errors
-    @unqueued
+    @creates
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)

@@ -21,6 +21,7 @@ buffered appends only.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import logging
@@ -30,7 +31,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -49,6 +50,9 @@ ALIGN = 4096  # file offsets, lengths and buffer addresses of direct writes
 # the daemon lets data records complete on the writer thread (0: the trio thread writes them)
 PIPELINE = os.environ.get("CKPTFS_PIPELINE", "1") != "0"
 PIPELINE_DEPTH = 8  # data records queued for the writer thread at most
+# a data record queued for the writer thread takes the sequence number this far above the one
+# before it: the numbers between are for creates written ahead of it (SegmentLog.ahead)
+SEQ_ROOM = 16
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
 QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 64 << 10, "bytes")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -110,7 +114,7 @@ class LogWrite:
 
     __slots__ = ("rtype", "ino", "offset", "time_ns", "seq", "payload_len", "head", "pos",
                  "size", "lead", "trail", "bufs", "nbytes", "fd", "later", "stage", "done",
-                 "written", "event", "token", "error", "retry")
+                 "started", "written", "event", "token", "error", "retry")
 
     def __init__(self, fd: int, pos: int, bufs: list, nbytes: int,
                  token: trio.lowlevel.TrioToken, written: threading.Condition):
@@ -123,6 +127,7 @@ class LogWrite:
         self.lead = self.trail = 0  # PAD bytes before and after a direct record, in the write
         self.later: Callable[[int, Record], None] | None = None
         self.stage = -1  # staging buffer in use, or -1
+        self.started = False  # the writer thread took it (its place is fixed from then on)
         self.done = False  # the writer thread finished with it (either way)
         self.event = trio.Event()  # the same, for trio tasks
         self.error: OSError | None = None
@@ -158,6 +163,7 @@ class LogStats:
     direct_records: int = 0  # records written around the page cache
     zero_copy_records: int = 0  # of those, written from the payload's own memory
     pad_bytes: int = 0  # PAD records that align them
+    records_ahead: int = 0  # creates written ahead of queued data writes (SegmentLog.ahead)
     # every reason ns.seal() is given, so that each is reported from the start
     seals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("size", "idle", "wait", "space", "recovery", "tier", "shutdown"), 0))
@@ -192,6 +198,11 @@ class SegmentLog:
         self._halt = False  # a queued write failed: the writer skips the rest (Cancelled)
         self._jobs: queue.SimpleQueue[LogWrite | None] = queue.SimpleQueue()
         self._written = threading.Condition(threading.Lock())  # a LogWrite is done
+        # requests in ahead(): while any waits, the writer thread starts no queued write
+        self._pausers = 0
+        self._paused = False
+        self._gate = threading.Condition(threading.Lock())
+        self._last_seq = 0  # seq of the last record placed in the log, queued ones aside
         self._writer: threading.Thread | None = None
         self.tail = 0
         self.seq = 0
@@ -342,6 +353,10 @@ class SegmentLog:
             if not self._halt and self._fits_queue(size):
                 self._queue_record(rtype, ino, offset, now, payload, size, later)
                 return None
+        if rtype == RecType.CREATE and self._paused and later is None:
+            res = self._ahead(ino, offset, now, payload, size)
+            if res is not None:
+                return res
         self.join()
         if self.fd < 0:
             self._open_new()
@@ -363,6 +378,7 @@ class SegmentLog:
         """Bookkeeping of a record that is in the segment file now."""
         csum = fmt.CSUM.unpack_from(head, fmt.RECORD_HEADER.size)[0]
         rec = Record(rtype, ino, offset, now, seq, payload, pos, length, csum)
+        self._last_seq = seq
         if rtype != RecType.SEAL:
             self.rows += fmt.seal_row(rec)
         self.last_append = time.monotonic()
@@ -546,7 +562,8 @@ class SegmentLog:
                 pad = LogWrite(self.fd, self.tail, [fmt.pad_header(gap), fmt.pad_body(gap)],
                                gap, self.token, self._written)
                 self._enqueue(pad)
-        self.seq += 1
+        # room below its number for records written ahead of it (ahead())
+        self.seq += SEQ_ROOM
         if direct:
             k = self._free_stages.pop()
             head, lead, trail, bufs, nbytes = self._stage(k, rtype, ino, offset, now, payload,
@@ -578,6 +595,10 @@ class SegmentLog:
             job = self._jobs.get()
             if job is None:
                 return
+            with self._gate:
+                while self._paused:
+                    self._gate.wait()
+                job.started = True
             if self._halt:
                 job.error = Cancelled(errno.ECANCELED, "an earlier log write failed")
             else:
@@ -603,7 +624,9 @@ class SegmentLog:
         written), and each of those records is marked for a retry by its writer."""
         while self.queued:
             job = self.queued[0]
-            job.wait_sync()
+            if not job.done:
+                self._resume()  # (a pause of ahead() must not hold this thread up)
+                job.wait_sync()
             self.queued.popleft()
             if job.stage >= 0:
                 self._free_stages.append(job.stage)
@@ -628,6 +651,7 @@ class SegmentLog:
         """`failed` (already off the queue) did not make it to the disk."""
         err = failed.error
         assert err is not None
+        self._resume()  # the writer cancels the rest of the queue
         if err.errno == errno.EINVAL and failed.stage >= 0:
             self._refused(failed.zero_copy, err)
             failed.retry = True
@@ -652,6 +676,100 @@ class SegmentLog:
         """Finish every queued write (see _finish)."""
         if self.queued:
             self._finish(self.queued[-1])
+
+    # --- creates ahead of queued data writes -------------------------------------------
+
+    def _pause(self) -> None:
+        with self._gate:
+            self._paused = True
+
+    def _resume(self) -> None:
+        if self._paused:
+            with self._gate:
+                self._paused = False
+                self._gate.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def ahead(self) -> AsyncIterator[None]:
+        """Around a request that appends a CREATE record (create, mkdir, mknod, symlink).
+
+        The kernel sends a create under its directory's exclusive lock, so every other create
+        in that directory waits for this one's reply (bench/README.md, 2026-12-07,
+        afternoon). Its record need not wait for the data writes queued before it, only for
+        the one the writer thread is writing: the writer starts no other write meanwhile,
+        and append() writes the record where the first write it has not started was to go,
+        moving those writes down the log (_ahead). Writes that arrive meanwhile wait in
+        room(), as for unqueue(). Where the record cannot go ahead, append() waits for the
+        queue as before."""
+        if not self.queued:
+            yield
+            return
+        if self._hold is None:
+            self._hold = trio.Event()
+        self._holders += 1
+        self._pausers += 1
+        self._pause()
+        try:
+            for job in list(self.queued):
+                if not job.started:
+                    break
+                await job.wait()
+            yield
+        finally:
+            self._pausers -= 1
+            if not self._pausers:
+                self._resume()
+            self._holders -= 1
+            if not self._holders:
+                self._hold.set()
+                self._hold = None
+
+    def _ahead(self, ino: int, offset: int, now: int, payload: bytes | memoryview,
+               size: int) -> tuple[int, Record] | None:
+        """Write a CREATE record ahead of the queued writes the paused writer thread has not
+        started: at the place the first of them had, followed by a PAD to a multiple of
+        ALIGN, every one of them moving down the log by that much (so their direct writes
+        stay aligned, and no direct write shares a page with this buffered one). Its
+        sequence number is one more than that of the record before it, below theirs
+        (SEQ_ROOM). A SIGKILL before they are written leaves it in the log, followed by
+        the end of the log (replay stops at the first record that is not there, which is
+        one of theirs, never acknowledged). None if it cannot go ahead: append() then waits
+        for the queue. The records before it are applied first, so the index and the SEAL
+        table still take records in log order."""
+        started = [job for job in self.queued if job.started]
+        if not all(job.done for job in started):
+            return None  # (a pause broken meanwhile: the writer went on)
+        if started:
+            # written: apply them first (which may seal the segment, joining the queue)
+            self._finish(started[-1])
+        if not self._paused or not self.queued or self.fd < 0 or self.queued[0].started:
+            return None
+        first = self.queued[0]
+        limit = next((job.seq for job in self.queued if job.rtype != RecType.PAD), 0)
+        # (the queued record's number less SEQ_ROOM was the log's highest when it was queued)
+        seq = max(self._last_seq, limit - SEQ_ROOM) + 1
+        delta = -(-size // ALIGN) * ALIGN
+        if 0 < delta - size < fmt.RECORD_HEADER_SIZE:
+            delta += ALIGN
+        if seq >= limit or self.tail + delta + 4 * ALIGN >= self.segment_size:
+            return None
+        parts = fmt.encode_record(RecType.CREATE, ino, offset, now, seq, payload)
+        gap = delta - size
+        if gap:
+            parts += [fmt.pad_header(gap), fmt.pad_body(gap)]
+        pos = first.pos
+        # nothing is being written: the writer is paused before the first of these
+        if os.pwritev(self.fd, parts, pos) != delta:
+            # (a short write: the place is the first queued write's, which overwrites it)
+            raise OSError(errno.ENOSPC, "short write to the log")
+        with self._gate:
+            for job in self.queued:
+                job.pos += delta
+        self.tail += delta
+        self.stats.pad_bytes += gap
+        self.stats.records_ahead += 1
+        return self.seg_id, self._appended(RecType.CREATE, ino, offset, now, seq, payload,
+                                           len(payload), parts[0], pos, size)
 
     async def settle(self, job: LogWrite) -> bool:
         """For the request whose record is `job`: wait (serving other requests meanwhile)

@@ -400,3 +400,110 @@ def test_writes_arriving_while_a_create_waits_for_the_queue_go_into_the_log_afte
     assert ns2.read(ns2.lookup(ROOT_INO, b"data").ino, 8 << 20, 1 << 20) == late
     log2.close()
     index2.close()
+
+
+def records_in_log_order(log: logmod.SegmentLog) -> list:
+    from ckptfs import segment as fmt
+    out = []
+    for seg in log.existing():
+        out += [r for r in fmt.scan_segment(log.path(seg)) if r.type != fmt.RecType.PAD]
+    return out
+
+
+def test_a_create_goes_into_the_log_ahead_of_the_writes_the_writer_has_not_started(
+        tmp_path: Path) -> None:
+    """A create (SegmentLog.ahead) waits only for the data write the writer thread is
+    writing: its record takes the place of the first queued write not started, those move
+    down the log, and the log, its sequence numbers and a replay of it agree with what the
+    mount answered."""
+    from ckptfs import segment as fmt
+    index, log, ns = make(tmp_path, 64 << 20)
+    rnd = random.Random(7)
+    datas = [rnd.randbytes(n) for n in (1 << 20, 300 << 10, 5000, 1 << 20)]
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+        ns.write(f, 0, rnd.randbytes(1 << 20))  # the writer starts on this one at once
+        first = log.submitted
+        assert first is not None
+        await first.wait()
+        log._pause()  # (what ahead() does) so that the next writes are queued, not started
+        jobs, off = [], 1 << 20
+        for d in datas:
+            ns.write(f, off, d)
+            assert log.submitted is not None
+            jobs.append(log.submitted)
+            off += len(d)
+        assert not any(j.started for j in jobs)
+        async with log.ahead():
+            ns.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+        async with log.ahead():  # a second one goes after the first, still ahead of them
+            ns.create(ROOT_INO, b"new", 0o644, 0, 0)
+        assert log.stats.records_ahead == 2
+        for j in jobs:
+            assert await log.settle(j) is False
+        await log.sync()
+
+    trio.run(main)
+    log.token = None
+    want = b"".join(datas)
+    f = ns.lookup(ROOT_INO, b"data").ino
+    assert ns.read(f, 1 << 20, len(want)) == want
+    recs = records_in_log_order(log)
+    seqs = [r.seq for r in recs if r.type != fmt.RecType.SEAL]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    kinds = [(r.type, r.offset) for r in recs if r.ino == f or r.type == fmt.RecType.CREATE]
+    creates = [i for i, (t, _o) in enumerate(kinds) if t == fmt.RecType.CREATE]
+    queued_writes = [i for i, (t, o) in enumerate(kinds)
+                     if t == fmt.RecType.WRITE and o >= 1 << 20]
+    assert len(creates) == 3 and creates[1:] == [creates[1], creates[1] + 1]
+    assert creates[2] < min(queued_writes), kinds  # ahead of every write queued before them
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(tmp_path, 64 << 20)  # the log alone says the same
+    assert ns2.lookup(ROOT_INO, b"new") is not None
+    assert ns2.lookup(ROOT_INO, b"step_1").is_dir
+    assert ns2.read(ns2.lookup(ROOT_INO, b"data").ino, 1 << 20, len(want)) == want
+    log2.close()
+    index2.close()
+
+
+KILLED_AHEAD = r"""
+import os, signal, sys, trio
+sys.path.insert(0, sys.argv[2])
+from pathlib import Path
+from ckptfs.index import ROOT_INO
+from test_format import make
+
+index, log, ns = make(Path(sys.argv[1]), 64 << 20)
+
+async def main():
+    log.token = trio.lowlevel.current_trio_token()
+    f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+    await log.sync()
+    log._pause()
+    for i in range(4):
+        ns.write(f, i << 20, os.urandom(1 << 20))  # queued, never written
+    async with log.ahead():
+        ns.create(ROOT_INO, b"new", 0o644, 0, 0)
+    # the create returned to the application: a SIGKILL must not lose it
+    os.kill(os.getpid(), signal.SIGKILL)
+
+trio.run(main)
+"""
+
+
+def test_a_create_written_ahead_of_unwritten_writes_survives_a_sigkill(tmp_path: Path) -> None:
+    """The process dies with the create's record in the log and the writes it went ahead of
+    never written (they were not acknowledged): replay keeps the create and stops at the end
+    of what was written, with no corruption."""
+    tests = Path(__file__).parent
+    res = subprocess.run([os.sys.executable, "-c", KILLED_AHEAD, str(tmp_path), str(tests)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == -9, res.stderr
+    index, log, ns = reopen(tmp_path, 64 << 20)
+    assert ns.lookup(ROOT_INO, b"new") is not None
+    assert ns.inode(ns.lookup(ROOT_INO, b"data").ino).size == 0
+    log.close()
+    index.close()
