@@ -770,6 +770,10 @@ def preflight(a: argparse.Namespace) -> None:
     if not os.path.exists("/dev/fuse"):
         raise SystemExit("bench: /dev/fuse is missing")
     need = 2.5 * max(a.storm_files * a.storm_max_kib * KiB, a.ranks * a.big_mib * MiB) + GB
+    try:
+        os.makedirs(a.workdir, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"bench: cannot make the work directory {a.workdir}: {e.strerror}")
     free = shutil.disk_usage(a.workdir).free
     if free < need:
         raise SystemExit(

@@ -23,8 +23,10 @@ def test_nas_emulator_selfcheck() -> None:
 
 @pytest.mark.timeout(600)
 def test_bench_smoke_reports_every_field(tmp_path: Path) -> None:
+    # (a work directory that does not exist yet is made)
     res = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--no-plots",
-                          "--results-dir", str(tmp_path)], cwd=REPO, capture_output=True,
+                          "--results-dir", str(tmp_path), "--workdir",
+                          str(tmp_path / "new" / "work")], cwd=REPO, capture_output=True,
                          text=True, timeout=540)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     [out] = [p for p in tmp_path.glob("*.json")]
