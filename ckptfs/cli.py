@@ -592,6 +592,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an object stays unreferenced before it is deleted (default 60)")
     m.add_argument("--allow-other", action="store_true",
                    help="let other users use the mount (permissions enforced as on ext4)")
+    m.add_argument("--default-permissions", action="store_true",
+                   help="keep the kernel's permission checks on a mount by root without "
+                        "--allow-other too (only root can use it, and root passes them but "
+                        "for execute bits, which ckptfs checks itself; they cost each create "
+                        "a round trip; keep them for root processes without "
+                        "CAP_DAC_OVERRIDE)")
     m.add_argument("--fsname", default="ckptfs",
                    help="the mount's source as /proc/mounts, df and findmnt show it "
                         "(default ckptfs; mount.ckptfs passes NVME:SHARED)")

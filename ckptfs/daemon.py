@@ -73,6 +73,9 @@ class MountConfig:
     seal_idle: float = 5.0
     commit_interval: float = 1.0
     allow_other: bool = False
+    # the kernel's permission checks (FUSE default_permissions) even where only root can
+    # use the mount (Daemon.kernel_permissions)
+    default_permissions: bool = False
     fsname: str = "ckptfs"
     upload_streams: int = 2
     publish_batch: int = PUBLISH_BATCH
@@ -484,6 +487,19 @@ class Daemon:
                 raise CliError(f"cannot serve metrics on port {self.cfg.metrics_port}: "
                                f"{e.strerror}") from None
 
+    @property
+    def kernel_permissions(self) -> bool:
+        """Whether the kernel checks permissions (FUSE `default_permissions`). Without
+        --allow-other only processes of the mounting user can use a FUSE mount at all; when
+        that user is root, every check passes but the execute bits of files, so the kernel's
+        checks are left out (`access()` asks Operations.access, which keeps those bits):
+        with them, each create in a directory cost a GETATTR of the directory first, inside
+        the directory's lock, because the create before it had made the kernel drop its
+        attributes (bench/README.md, 2026-12-07, 14:00). --default-permissions keeps them
+        (root processes without CAP_DAC_OVERRIDE would otherwise pass checks they fail)."""
+        cfg = self.cfg
+        return cfg.default_permissions or cfg.allow_other or os.geteuid() != 0
+
     def mount(self) -> None:
         cfg = self.cfg
         self.ops = ops = Operations(self.ns, cfg.nvme, {
@@ -493,7 +509,10 @@ class Daemon:
         opts = set(pyfuse3.default_options)
         # FUSE splits options at commas; a backslash escapes one (and itself)
         fsname = cfg.fsname.replace("\\", "\\\\").replace(",", "\\,")
-        opts |= {f"fsname={fsname}", "subtype=ckptfs", "default_permissions", "noatime"}
+        opts |= {f"fsname={fsname}", "subtype=ckptfs", "noatime"}
+        opts.discard("default_permissions")
+        if self.kernel_permissions:
+            opts.add("default_permissions")
         if cfg.allow_other:
             opts.add("allow_other")
         if cfg.read_only:

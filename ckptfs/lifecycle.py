@@ -222,7 +222,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
                        f"{other.get('nvme')} (pid {other.get('pid')}, mounted at "
                        f"{other.get('mountpoint')}): give this mount its own --node-id")
     cfg = MountConfig(nvme=nvme, shared=shared, mountpoint=mnt, segment_size=a.segment_size,
-                      seal_idle=a.seal_idle, allow_other=a.allow_other, fsname=a.fsname,
+                      seal_idle=a.seal_idle, allow_other=a.allow_other,
+                      default_permissions=a.default_permissions, fsname=a.fsname,
                       upload_streams=a.upload_streams, upload_limit=a.upload_limit,
                       publish_batch=a.publish_batch,
                       metrics_port=a.metrics_port, refresh_interval=a.refresh_interval,
@@ -368,6 +369,8 @@ def _forwarded_args(a: argparse.Namespace) -> list[str]:
         out += ["--marker", g]
     if a.allow_other:
         out.append("--allow-other")
+    if a.default_permissions:
+        out.append("--default-permissions")
     if a.fsname != "ckptfs":
         out += ["--fsname", a.fsname]
     if a.no_dedup:

@@ -25,6 +25,7 @@ from mounting import (
     mount_entry,
     pid_alive,
     pids_with_arg,
+    proc_mounts,
     run_cli,
 )
 
@@ -320,3 +321,35 @@ def test_a_mounted_daemon_serves_requests_at_the_raised_priority(tmp_path: Path)
             m.unmount()
         finally:
             assert m.teardown() == []
+
+
+@pytest.mark.parametrize("args,kernel", [((), False), (("--default-permissions",), True),
+                                         (("--allow-other",), True)])
+def test_a_mount_only_root_can_use_leaves_permission_checks_out_and_behaves_the_same(
+        make_mount, args: tuple[str, ...], kernel: bool) -> None:
+    """A mount by root without --allow-other: only root can use it, and the kernel's checks
+    (default_permissions, a GETATTR of the directory in each create) are left out; root may
+    still not run a file that no one may execute, and access() says so as the kernel would.
+    --default-permissions and --allow-other keep the kernel's checks."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    m = make_mount(extra_args=args)
+    [opts] = [o for _s, mp, _t, o in proc_mounts() if mp == str(m.mnt)]
+    assert ("default_permissions" in opts.split(",")) == kernel, opts
+    plain, script, ro = m.mnt / "plain", m.mnt / "script.sh", m.mnt / "ro"
+    plain.write_text("#!/bin/sh\nexit 0\n")
+    script.write_text("#!/bin/sh\nexit 7\n")
+    script.chmod(0o700)
+    ro.write_text("x")
+    ro.chmod(0o444)
+    locked = m.mnt / "locked"
+    locked.mkdir(mode=0o000)
+    assert not os.access(plain, os.X_OK) and os.access(plain, os.R_OK | os.W_OK)
+    assert os.access(script, os.X_OK) and os.access(locked, os.R_OK | os.W_OK | os.X_OK)
+    with pytest.raises(PermissionError):
+        subprocess.run([str(plain)], check=False)
+    assert subprocess.run([str(script)], check=False).returncode == 7
+    ro.write_text("root writes a read-only file, as on ext4")
+    (locked / "f").write_text("and into a directory with mode 000")
+    assert sorted(os.listdir(locked)) == ["f"]
+    m.unmount()
