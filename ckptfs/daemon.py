@@ -506,11 +506,10 @@ class Daemon:
             b"user.ckptfs.control": self.control_path.encode(),
             b"user.ckptfs.pid": str(os.getpid()).encode(),
         }, on_fsync=self._fsync_seen, read_only=cfg.read_only)
-        opts = set(pyfuse3.default_options)
+        opts = set(pyfuse3.default_options) - {"default_permissions"}
         # FUSE splits options at commas; a backslash escapes one (and itself)
         fsname = cfg.fsname.replace("\\", "\\\\").replace(",", "\\,")
         opts |= {f"fsname={fsname}", "subtype=ckptfs", "noatime"}
-        opts.discard("default_permissions")
         if self.kernel_permissions:
             opts.add("default_permissions")
         if cfg.allow_other:

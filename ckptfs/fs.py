@@ -183,18 +183,13 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def access(self, inode: int, mode: int, ctx: Any) -> bool:
         """access(2) and chdir, asked only where the kernel does not check permissions
-        itself (Daemon.kernel_permissions: a mount by root without allow_other). As the
-        kernel would: root may do anything but execute a file that no one may execute; any
-        other caller (none can reach such a mount) by the mode bits."""
+        itself (Daemon.kernel_permissions: a mount by root without allow_other, which the
+        kernel lets no one but root use). As the kernel would: root may do anything but
+        execute a file that no one may execute."""
         node = self.ns.inode(inode)
-        if ctx.uid == 0:
-            return not (mode & os.X_OK and not node.is_dir and not node.mode & 0o111)
-        perm = node.mode
-        if ctx.uid == node.uid:
-            perm >>= 6
-        elif ctx.gid == node.gid or node.gid in pyfuse3.get_sup_groups(ctx.pid):
-            perm >>= 3
-        return mode & 7 & ~perm == 0
+        if ctx.uid != 0:
+            return False  # (not reached: the kernel refuses other callers first)
+        return not (mode & os.X_OK and not node.is_dir and not node.mode & 0o111)
 
     @fuse_errors
     async def readlink(self, inode: int, ctx: Any) -> bytes:
