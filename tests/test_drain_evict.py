@@ -5,6 +5,7 @@ offline replay that has to fetch evicted segments from SHARED."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import threading
@@ -306,13 +307,20 @@ def test_export_reads_the_few_byte_records_of_a_chain_alongside_the_big_ones(
 
     m = start_node(make_mount, "a", "n0")
     data = blob("chain", 16 << 20)
+    # 8 bytes past a page: each 1 MiB spans 257 pages. (A fresh `bytes` slice each time was
+    # not enough: its memory is wherever malloc puts it, the same chunk for every slice,
+    # and once, in the CI's test process, no write was split.)
+    src = mmap.mmap(-1, len(data) + 4096)
+    src[8:8 + len(data)] = data
     fd = os.open(m.mnt / "shard.distcp", os.O_CREAT | os.O_WRONLY, 0o644)
     try:
-        for off in range(0, len(data), 1 << 20):
-            os.write(fd, data[off:off + (1 << 20)])  # a new bytes object: not page aligned
+        with memoryview(src) as view:
+            for off in range(0, len(data), 1 << 20):
+                os.write(fd, view[8 + off:8 + off + (1 << 20)])
         os.fsync(fd)
     finally:
         os.close(fd)
+        src.close()
     wait_published(m.mnt)
     store = FarStore(str(m.shared))
     assert export(store, "shard.distcp", str(tmp_path / "out"))[1] == len(data)

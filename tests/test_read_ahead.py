@@ -7,6 +7,7 @@ for it or the reads before it."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import time
@@ -32,16 +33,23 @@ MiB = 1 << 20
 
 def write_files(mnt: Path, files: dict[str, bytes]) -> None:
     """Writes 1 MiB at a time, round robin over the files, so their records interleave in
-    the segments the way several ranks' do."""
+    the segments the way several ranks' do; from memory 8 bytes past a page, as a `bytes`
+    object's or a tensor's usually is, so each write is a record of 1 MiB less 8 bytes and
+    one of 8 bytes. (From a fresh `bytes` slice each time, that was up to malloc.)"""
     fds = {rel: os.open(mnt / rel, os.O_CREAT | os.O_WRONLY, 0o644) for rel in files}
+    buf = mmap.mmap(-1, MiB + 4096)
     try:
-        for off in range(0, max(map(len, files.values())), MiB):
-            for rel, data in files.items():
-                if off < len(data):
-                    os.pwrite(fds[rel], data[off:off + MiB], off)
+        with memoryview(buf) as view:
+            for off in range(0, max(map(len, files.values())), MiB):
+                for rel, data in files.items():
+                    if off < len(data):
+                        n = min(MiB, len(data) - off)
+                        view[8:8 + n] = data[off:off + n]
+                        os.pwrite(fds[rel], view[8:8 + n], off)
         for fd in fds.values():
             os.fsync(fd)
     finally:
+        buf.close()
         for fd in fds.values():
             os.close(fd)
 
@@ -212,8 +220,6 @@ def test_a_file_read_alone_from_shared_is_fetched_further_ahead(make_mount: Make
     MB/s from an S3 endpoint 36 ms away. A file read alone now asks for up to 16 MiB ahead
     (half of what it has read, at most its share of half the reader's cache), so after 12 MiB
     read, records up to ~6 MiB past it are fetched."""
-    import mmap
-
     a = start_node(make_mount, "a", "n0")
     data = blob("alone", 40 * MiB)
     buf = mmap.mmap(-1, MiB)  # page aligned: one 1 MiB record per write
@@ -298,8 +304,6 @@ def test_a_reader_that_hops_back_does_not_ask_again_for_what_it_asked(
     kernel's readahead of a file that is also being written does this) keeps what was asked
     for ahead: each hop used to restart read-ahead and ask for the whole window again
     (`fio --rw=readwrite --bs=4k` at 4.4 MB/s instead of 10-13)."""
-    import mmap
-
     a = start_node(make_mount, "a", "n0")
     data = blob("hops", 8 * MiB)
     path = a.mnt / "f.bin"
