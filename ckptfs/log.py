@@ -31,7 +31,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import trio
@@ -704,25 +704,19 @@ class SegmentLog:
         if not self.queued:
             yield
             return
-        if self._hold is None:
-            self._hold = trio.Event()
-        self._holders += 1
-        self._pausers += 1
-        self._pause()
-        try:
-            for job in list(self.queued):
-                if not job.started:
-                    break
-                await job.wait()
-            yield
-        finally:
-            self._pausers -= 1
-            if not self._pausers:
-                self._resume()
-            self._holders -= 1
-            if not self._holders:
-                self._hold.set()
-                self._hold = None
+        with self._holding():
+            self._pausers += 1
+            self._pause()
+            try:
+                for job in list(self.queued):
+                    if not job.started:
+                        break
+                    await job.wait()
+                yield
+            finally:
+                self._pausers -= 1
+                if not self._pausers:
+                    self._resume()
 
     def _ahead(self, ino: int, offset: int, now: int, payload: bytes | memoryview,
                size: int) -> tuple[int, Record] | None:
@@ -814,11 +808,17 @@ class SegmentLog:
         # serves under its directory's lock, which every other create there waits for
         # (bench/README.md, 2026-12-07, afternoon). The caller appends right after this
         # returns, before those writers run again, so the log's order is theirs after it.
+        with self._holding():
+            await self.join_async(rounds=2)
+
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[None]:
+        """While inside, data writes wait in room() (for unqueue() and ahead())."""
         if self._hold is None:
             self._hold = trio.Event()
         self._holders += 1
         try:
-            await self.join_async(rounds=2)
+            yield
         finally:
             self._holders -= 1
             if not self._holders:
