@@ -792,7 +792,10 @@ class SegmentLog:
         while self.queued and (rounds is None or n < rounds):
             last = self.queued[-1]
             await last.wait()
-            self._finish(last)
+            if last in self.queued:
+                # (else another task applied it while we waited: _finish(last) would then
+                # apply the writes queued since, blocking the trio thread on the writer)
+                self._finish(last)
             n += 1
 
     async def unqueue(self) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from ckptfs import log as logmod
 from ckptfs.index import ROOT_INO
@@ -400,6 +401,53 @@ def test_writes_arriving_while_a_create_waits_for_the_queue_go_into_the_log_afte
     assert ns2.read(ns2.lookup(ROOT_INO, b"data").ino, 8 << 20, 1 << 20) == late
     log2.close()
     index2.close()
+
+
+def test_a_join_whose_write_another_request_applied_does_not_wait_for_the_writes_queued_since(
+        tmp_path: Path) -> None:
+    """Two requests wait in join_async() for the same write (the fsyncs of a group commit);
+    the first to resume applies it. The other must then not apply the writes queued since:
+    it would wait for them on the trio thread, blocking (the storm's fsyncs did, py-spy:
+    8% of the trio thread's samples in a threading wait, bench/README.md 2026-12-07,
+    evening), and every other request with it."""
+    index, log, ns = make(tmp_path, 64 << 20)
+    rnd = random.Random(11)
+    seen: dict[str, bool] = {}
+    later: list[logmod.LogWrite] = []
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+        log._pause()  # the writer starts nothing until told
+        ns.write(f, 0, rnd.randbytes(1 << 20))
+        first = log.submitted
+        assert first is not None and not first.started
+
+        async def joiner() -> None:
+            await log.join_async(rounds=1)
+            seen["later written"] = later[0].done
+
+        async with trio.open_nursery() as n:
+            n.start_soon(joiner)
+            await trio.testing.wait_all_tasks_blocked()  # the joiner waits for `first`
+            # another request applies it meanwhile, and a write is queued behind it that
+            # the writer does not start (before the joiner resumes: no await in between)
+            log._resume()
+            first.wait_sync()
+            log._finish(first)
+            log._pause()
+            ns.write(f, 1 << 20, rnd.randbytes(1 << 20))
+            assert log.submitted is not None
+            later.append(log.submitted)
+        log._resume()
+        assert await log.settle(later[0]) is False
+        await log.sync()
+
+    trio.run(main)
+    log.token = None
+    assert seen == {"later written": False}
+    log.close()
+    index.close()
 
 
 def records_in_log_order(log: logmod.SegmentLog) -> list:
