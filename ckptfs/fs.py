@@ -80,7 +80,9 @@ def creates(fn: Callable[..., Any]) -> Callable[..., Any]:
     not started (SegmentLog.ahead)."""
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any, **kwargs: Any) -> Any:
-        async with self.ns.log.ahead():
+        # (the record's size, about: its name and a symlink's target are the bytes given)
+        need = 256 + sum(len(a) for a in args if isinstance(a, bytes))
+        async with self.ns.log.ahead(need):
             return await fn(self, *args, **kwargs)
 
     return wrapper

@@ -53,6 +53,12 @@ PIPELINE_DEPTH = 8  # data records queued for the writer thread at most
 # a data record queued for the writer thread takes the sequence number this far above the one
 # before it: the numbers between are for creates written ahead of it (SegmentLog.ahead)
 SEQ_ROOM = 16
+# Room for one create's record, left unwritten in front of each direct data write queued for
+# the writer thread (SegmentLog._into_slot); the writer fills what no create took with a PAD
+# (CKPTFS_CREATE_SLOTS=0: none)
+SLOT = ALIGN
+CREATE_SLOTS = os.environ.get("CKPTFS_CREATE_SLOTS", "1") != "0"
+SLOT_FREE, SLOT_TAKEN, SLOT_PADDED = 0, 1, 2
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
 QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 64 << 10, "bytes")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -114,7 +120,8 @@ class LogWrite:
 
     __slots__ = ("rtype", "ino", "offset", "time_ns", "seq", "payload_len", "head", "pos",
                  "size", "lead", "trail", "bufs", "nbytes", "fd", "later", "stage", "done",
-                 "started", "written", "event", "token", "error", "retry")
+                 "started", "written", "event", "token", "error", "retry", "slot", "slot_fd",
+                 "slot_state", "slot_used")
 
     def __init__(self, fd: int, pos: int, bufs: list, nbytes: int,
                  token: trio.lowlevel.TrioToken, written: threading.Condition):
@@ -132,6 +139,12 @@ class LogWrite:
         self.event = trio.Event()  # the same, for trio tasks
         self.error: OSError | None = None
         self.retry = False  # not written: append it again (O_DIRECT refused, or cancelled)
+        # SLOT bytes in front of it left for a create's record (-1: none), through which
+        # buffered descriptor, and who took them (the trio thread or the writer, under _gate)
+        self.slot = -1
+        self.slot_fd = -1
+        self.slot_state = SLOT_FREE
+        self.slot_used = 0  # bytes of creates' records in it (a PAD fills the rest)
 
     @property
     def zero_copy(self) -> bool:
@@ -164,6 +177,7 @@ class LogStats:
     zero_copy_records: int = 0  # of those, written from the payload's own memory
     pad_bytes: int = 0  # PAD records that align them
     records_ahead: int = 0  # creates written ahead of queued data writes (SegmentLog.ahead)
+    records_in_slots: int = 0  # of those, into the slot in front of one (SegmentLog._into_slot)
     # every reason ns.seal() is given, so that each is reported from the start
     seals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("size", "idle", "wait", "space", "recovery", "tier", "shutdown"), 0))
@@ -353,8 +367,10 @@ class SegmentLog:
             if not self._halt and self._fits_queue(size):
                 self._queue_record(rtype, ino, offset, now, payload, size, later)
                 return None
-        if rtype == RecType.CREATE and self._paused and later is None:
-            res = self._ahead(ino, offset, now, payload, size)
+        if rtype == RecType.CREATE and later is None and self.queued:
+            res = self._into_slot(ino, offset, now, payload, size)
+            if res is None and self._paused:
+                res = self._ahead(ino, offset, now, payload, size)
             if res is not None:
                 return res
         self.join()
@@ -536,7 +552,7 @@ class SegmentLog:
     def _fits_queue(self, size: int) -> bool:
         """A record of `size` bytes may be queued: a segment is open and has room for it with
         its PADs (the queue never crosses a segment's end)."""
-        return self.fd >= 0 and self.tail + size + 4 * ALIGN < self.segment_size
+        return self.fd >= 0 and self.tail + SLOT + size + 4 * ALIGN < self.segment_size
 
     def _queue_full(self, n: int) -> bool:
         """Queueing a record of n payload bytes must wait for the oldest queued write: the
@@ -556,7 +572,11 @@ class SegmentLog:
         assert self.token is not None
         n = len(payload)
         direct = self.dfd >= 0 and n >= self.direct_min
+        slot = -1  # room for a create in front of it (and of its PAD), _into_slot
         if direct:
+            if CREATE_SLOTS:
+                slot = self.tail
+                self.tail += SLOT
             gap = fmt.pad_gap(self.tail, ALIGN)
             if gap:
                 pad = LogWrite(self.fd, self.tail, [fmt.pad_header(gap), fmt.pad_body(gap)],
@@ -576,6 +596,8 @@ class SegmentLog:
             job = LogWrite(self.fd, self.tail, parts, size, self.token, self._written)
         job.rtype, job.ino, job.offset, job.time_ns, job.seq = rtype, ino, offset, now, self.seq
         job.payload_len, job.head, job.size, job.later = n, head, size, later
+        if slot >= 0:
+            job.slot, job.slot_fd = slot, self.fd
         self._enqueue(job)
         self.submitted = job
 
@@ -605,8 +627,13 @@ class SegmentLog:
                 try:
                     if os.pwritev(job.fd, job.bufs, job.pos) != job.nbytes:
                         job.error = OSError(errno.ENOSPC, "short write to the log")
+                    if job.slot >= 0 and job.error is None:
+                        self._fill_slot(job)
                 except OSError as e:
                     job.error = e
+                except Exception as e:  # a fault here: fail the write, never hang its waiter
+                    log.exception("the log's writer thread failed")
+                    job.error = OSError(errno.EIO, f"the log's writer thread failed: {e!r}")
                 if job.error is not None:
                     self._halt = True
             with self._written:
@@ -616,6 +643,18 @@ class SegmentLog:
                 job.token.run_sync_soon(job.event.set)
             except trio.RunFinishedError:
                 pass  # nobody waits in trio any more; _finish() uses `done`
+
+    def _fill_slot(self, job: LogWrite) -> None:
+        """The writer thread, once `job` is written: a PAD into the slot in front of it unless
+        a create took it. Before `job` is done, so before anything after it is applied or
+        acknowledged: a hole in the log ends it for replay."""
+        with self._gate:
+            if job.slot_state != SLOT_FREE:
+                return
+            job.slot_state = SLOT_PADDED
+        if os.pwritev(job.slot_fd, [fmt.pad_header(SLOT), fmt.pad_body(SLOT)],
+                      job.slot) != SLOT:
+            raise OSError(errno.ENOSPC, "short write to the log")
 
     def _finish(self, upto: LogWrite) -> None:
         """Account and apply the queued writes up to `upto` in log order, waiting (blocking)
@@ -633,6 +672,8 @@ class SegmentLog:
             if job.error is not None:
                 self._fail_queue(job)
                 return
+            if job.slot_state == SLOT_PADDED:
+                self.stats.pad_bytes += SLOT
             if job.rtype == RecType.PAD:
                 self.stats.pad_bytes += job.nbytes
             else:
@@ -668,7 +709,13 @@ class SegmentLog:
             else:
                 job.retry = True
         self.queued.clear()
-        self.tail = failed.pos
+        # back to where the failed write started, or to the slot in front of it unless a
+        # create's record is there (a PAD the writer wrote into it did not count: the write
+        # it was for failed)
+        slotted = failed if failed.slot >= 0 else owner  # (a PAD is behind its record's slot)
+        self.tail = (slotted.slot + slotted.slot_used if slotted is not None
+                     and slotted.slot >= 0 and slotted.slot_state != SLOT_TAKEN
+                     and slotted.slot < failed.pos else failed.pos)
         self._cut()  # the failed write may have written part of itself
         self._halt = False
 
@@ -690,19 +737,21 @@ class SegmentLog:
                 self._gate.notify_all()
 
     @contextlib.asynccontextmanager
-    async def ahead(self) -> AsyncIterator[None]:
+    async def ahead(self, need: int = 512) -> AsyncIterator[None]:
         """Around a request that appends a CREATE record (create, mkdir, mknod, symlink).
 
         The kernel sends a create under its directory's exclusive lock, so every other create
         in that directory waits for this one's reply (bench/README.md, 2026-12-07,
-        afternoon). Its record need not wait for the data writes queued before it, only for
-        the one the writer thread is writing: the writer starts no other write meanwhile,
-        and append() writes the record where the first write it has not started was to go,
-        moving those writes down the log (_ahead). Writes that arrive meanwhile wait in
-        room(), as for unqueue(). Where the record cannot go ahead, append() waits for the
-        queue as before."""
-        if not self.queued:
-            yield
+        afternoon). Its record need not wait for the data writes queued before it: it goes
+        into the slot in front of the first one not written yet, if that has room for
+        `need` bytes (_into_slot: no wait at all). Otherwise it waits only for the one the
+        writer thread is writing: the writer starts no other write meanwhile, and append()
+        writes the record where the first write it has not started was to go, moving those
+        writes down the log (_ahead). Writes that arrive meanwhile wait in room(), as for
+        unqueue(). Where the record cannot go ahead, append() waits for the queue as
+        before."""
+        if not self.queued or self._slot_free(need):
+            yield  # (into a slot: append() waits for no whole write)
             return
         with self._holding():
             self._pausers += 1
@@ -738,6 +787,9 @@ class SegmentLog:
             self._finish(started[-1])
         if not self._paused or not self.queued or self.fd < 0 or self.queued[0].started:
             return None
+        res = self._into_slot(ino, offset, now, payload, size)
+        if res is not None:
+            return res
         first = self.queued[0]
         limit = next((job.seq for job in self.queued if job.rtype != RecType.PAD), 0)
         # (the queued record's number less SEQ_ROOM was the log's highest when it was queued)
@@ -751,7 +803,11 @@ class SegmentLog:
         gap = delta - size
         if gap:
             parts += [fmt.pad_header(gap), fmt.pad_body(gap)]
-        pos = first.pos
+        # where the first of them starts: the slot in front of it, if no create's record is
+        # in it (the record did not fit in it), which moves down with it
+        owner = self._slot_after(0)
+        pos = (owner.slot if owner is not None and owner.slot_state == SLOT_FREE
+               and not owner.slot_used and owner.slot < first.pos else first.pos)
         # nothing is being written: the writer is paused before the first of these
         if os.pwritev(self.fd, parts, pos) != delta:
             # (a short write: the place is the first queued write's, which overwrites it)
@@ -759,11 +815,109 @@ class SegmentLog:
         with self._gate:
             for job in self.queued:
                 job.pos += delta
+                if job.slot >= 0 and job.slot_state == SLOT_FREE:
+                    job.slot += delta
         self.tail += delta
         self.stats.pad_bytes += gap
         self.stats.records_ahead += 1
         return self.seg_id, self._appended(RecType.CREATE, ino, offset, now, seq, payload,
                                            len(payload), parts[0], pos, size)
+
+    def _slot_after(self, k: int) -> LogWrite | None:
+        """The write owning the slot that is next in the log after queued[k - 1]: queued[k]'s,
+        or the record's behind it if queued[k] is the PAD that aligns that record."""
+        q = self.queued
+        if k < len(q) and q[k].slot < 0 and q[k].rtype == RecType.PAD:
+            k += 1
+        return q[k] if k < len(q) and q[k].slot >= 0 else None
+
+    def _slot_free(self, need: int) -> bool:
+        """A create's record of up to `need` bytes can go into the log now without waiting
+        for a whole write (_into_slot): the queued writes are all written, or the first slot
+        after those that are has room for it."""
+        k = next((i for i, job in enumerate(self.queued) if not job.done), None)
+        if k is None:
+            return True
+        job = self._slot_after(k)
+        return job is not None and job.slot_state != SLOT_PADDED and (
+            SLOT - job.slot_used >= need + fmt.RECORD_HEADER_SIZE)
+
+    def _into_slot(self, ino: int, offset: int, now: int, payload: bytes | memoryview,
+                   size: int) -> tuple[int, Record] | None:
+        """Write a CREATE record into the slot in front of the first queued write not written
+        yet, after the records already there, with a PAD to the slot's end (format.md
+        section 1.6). The writer thread may be writing that write meanwhile: the create
+        then waits only for the inode lock an extending O_DIRECT write holds. The writes
+        before the slot are written: they are applied first, so the index and the SEAL
+        table still take records in log order. Its sequence number is one more than the
+        last applied, below that write's (SEQ_ROOM). A SIGKILL leaves it in the log (it is
+        in the page cache when the create returns), followed by that write or by the end of
+        the log; if that write fails, the tail goes back to just after the slot's records
+        (_fail_queue). None if there is no such slot, the writer has filled it, or the
+        record does not fit in what is left of it: ahead() or the queue then."""
+        if not CREATE_SLOTS:
+            return None
+        while self.queued and self.queued[0].done:
+            self._finish(self.queued[0])  # (which may seal the segment, or take back a fail)
+        if not self.queued or self.fd < 0:
+            return None
+        job = self._slot_after(0)
+        if job is None or job.slot_state == SLOT_PADDED:
+            return None
+        used = job.slot_used
+        gap = SLOT - used - size
+        if gap < 0 or 0 < gap < fmt.RECORD_HEADER_SIZE:
+            return None
+        limit = next((j.seq for j in self.queued if j.rtype != RecType.PAD), 0)
+        seq = max(self._last_seq, limit - SEQ_ROOM) + 1
+        if seq >= limit:
+            return None
+        with self._gate:
+            if job.slot_state == SLOT_PADDED:
+                return None  # the writer has just written the PAD into it
+            job.slot_state = SLOT_TAKEN
+        # the record where the slot's PAD started, and a shorter PAD after it (one write)
+        parts = fmt.encode_record(RecType.CREATE, ino, offset, now, seq, payload)
+        if gap:
+            parts += [fmt.pad_header(gap), fmt.pad_body(gap)]
+        at = job.slot + used
+        try:
+            if os.pwritev(self.fd, parts, at) != SLOT - used:
+                raise OSError(errno.ENOSPC, "short write to the log")
+        except OSError:
+            self._unslot(job)
+            raise
+        job.slot_used = used + size
+        self.stats.pad_bytes += gap - (SLOT - used if used else 0)
+        self.stats.records_ahead += 1
+        self.stats.records_in_slots += 1
+        return self.seg_id, self._appended(RecType.CREATE, ino, offset, now, seq, payload,
+                                           len(payload), parts[0], at, size)
+
+    def _unslot(self, job: LogWrite) -> None:
+        """A create's record could not be written into `job`'s slot (a part of it may be
+        there): what follows the records already in the slot must not stay broken in front
+        of `job`. An empty slot the writer has not come to yet is left to it (it fills it
+        with a PAD); otherwise this thread writes the PAD after the records in it, and if
+        that fails too, `job` fails with the error (the tail goes back to just after those
+        records, _fail_queue)."""
+        used = job.slot_used
+        with self._gate:
+            if not used and not job.started:
+                job.slot_state = SLOT_FREE
+                return
+        gap = SLOT - used
+        try:
+            if os.pwritev(self.fd, [fmt.pad_header(gap), fmt.pad_body(gap)],
+                          job.slot + used) != gap:
+                raise OSError(errno.ENOSPC, "short write to the log")
+        except OSError as e:
+            job.slot_state = SLOT_FREE  # (not whole: see _fail_queue)
+            if job.error is None:
+                job.error = e
+            return
+        if not used:
+            job.slot_state = SLOT_PADDED
 
     async def settle(self, job: LogWrite) -> bool:
         """For the request whose record is `job`: wait (serving other requests meanwhile)

@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 from ckptfs import log as logmod
+from ckptfs.errors import FsError
 from ckptfs.index import ROOT_INO
 from test_format import make, reopen  # index, log and namespace in a directory
 
@@ -37,10 +38,10 @@ def test_queued_writes_apply_in_log_order_and_replay_the_same(tmp_path: Path,
         log.dio_unit = 8
     rnd = random.Random(3)
     want: dict[int, bytearray] = {}
-    queued_max = 0
+    queued_max = creates_in_slots = 0
 
     async def main() -> None:
-        nonlocal queued_max
+        nonlocal queued_max, creates_in_slots
         log.token = trio.lowlevel.current_trio_token()
         pending = []
         files = [ns.create(ROOT_INO, f"f{i}".encode(), 0o644, 0, 0).ino for i in range(3)]
@@ -65,8 +66,31 @@ def test_queued_writes_apply_in_log_order_and_replay_the_same(tmp_path: Path,
             if log.submitted is not None:
                 pending.append(log.submitted)
             queued_max = max(queued_max, len(log.queued))
-            if step % 37 == 36:  # a metadata operation: the queue is written first
+            if step % 37 == 36:
+                # creates while a big write is queued and not started: into the slot in
+                # front of it (SegmentLog._into_slot), one after the other; a symlink too
+                # long for what is left of the slot ahead of the write (_ahead: the writer
+                # is paused)
+                log.join()
+                log._pause()
+                big = rnd.randbytes(1 << 20)
+                ns.write(ino, 1 << 20, big)
+                queued = log.submitted
+                w = want[ino]
+                w.extend(bytes(max(0, (2 << 20) - len(w))))
+                w[1 << 20:2 << 20] = big
+                slots, ahead = log.stats.records_in_slots, log.stats.records_ahead
                 ns.create(ROOT_INO, f"m{step}".encode(), 0o644, 0, 0)
+                ns.create(ROOT_INO, f"n{step}".encode(), 0o644, 0, 0)
+                ns.symlink(ROOT_INO, f"s{step}".encode(), b"t" * 3900, 0, 0)
+                if queued is not None:  # (else the segment was sealed: written at once)
+                    pending.append(queued)
+                    assert log.stats.records_in_slots == slots + 2
+                    assert log.stats.records_ahead == ahead + 3
+                    creates_in_slots += 1
+                log._resume()
+                # any other metadata operation: the queue is written first
+                ns.setattr(ino, mode=0o600 if step % 2 else 0o644)
                 assert not log.queued
             if rnd.random() < 0.3:
                 for job in pending:
@@ -79,6 +103,7 @@ def test_queued_writes_apply_in_log_order_and_replay_the_same(tmp_path: Path,
     trio.run(main)
     log.token = None
     assert queued_max >= 4, "the test never had several writes queued"
+    assert log.stats.records_in_slots == 2 * creates_in_slots >= 8
     assert log.stats.direct_records > 50
     if unit == "refused":
         assert log.stats.zero_copy_records == 0 and log.zero_copy_min == 0
@@ -489,6 +514,7 @@ def test_a_create_goes_into_the_log_ahead_of_the_writes_the_writer_has_not_start
         async with log.ahead():  # a second one goes after the first, still ahead of them
             ns.create(ROOT_INO, b"new", 0o644, 0, 0)
         assert log.stats.records_ahead == 2
+        log._resume()  # (ahead() has not paused the writer: the records went into a slot)
         for j in jobs:
             assert await log.settle(j) is False
         await log.sync()
@@ -533,9 +559,14 @@ async def main():
     log._pause()
     for i in range(4):
         ns.write(f, i << 20, os.urandom(1 << 20))  # queued, never written
-    async with log.ahead():
+    async with log.ahead():  # into the slot in front of the first of them
         ns.create(ROOT_INO, b"new", 0o644, 0, 0)
-    # the create returned to the application: a SIGKILL must not lose it
+    async with log.ahead():  # and after it
+        ns.create(ROOT_INO, b"new2", 0o644, 0, 0)
+    async with log.ahead(4000):  # too long for the rest of the slot: ahead of them
+        ns.symlink(ROOT_INO, b"link", b"t" * 3900, 0, 0)
+    assert (log.stats.records_in_slots, log.stats.records_ahead) == (2, 3), log.stats
+    # the creates returned to the application: a SIGKILL must not lose them
     os.kill(os.getpid(), signal.SIGKILL)
 
 trio.run(main)
@@ -552,6 +583,124 @@ def test_a_create_written_ahead_of_unwritten_writes_survives_a_sigkill(tmp_path:
     assert res.returncode == -9, res.stderr
     index, log, ns = reopen(tmp_path, 64 << 20)
     assert ns.lookup(ROOT_INO, b"new") is not None
+    assert ns.lookup(ROOT_INO, b"new2") is not None
+    assert ns.lookup(ROOT_INO, b"link") is not None
     assert ns.inode(ns.lookup(ROOT_INO, b"data").ino).size == 0
     log.close()
     index.close()
+
+
+@pytest.mark.parametrize("owner", ["write", "pad"])
+@pytest.mark.parametrize("create", [True, False])
+def test_a_write_that_fails_behind_a_slot_leaves_no_hole_and_keeps_the_create_in_it(
+        tmp_path: Path, create: bool, owner: str) -> None:
+    """The write that owns a slot fails after a create's record went into the slot, or with
+    the slot still free: the direct write itself ("write": EINVAL, O_DIRECT refuses memory
+    off the device's alignment) or the PAD that aligns it ("pad": EBADF). The tail goes
+    back to just after the create's record, or to the slot itself, so nothing acknowledged
+    sits after a hole, and the data is appended again."""
+    from ckptfs import segment as fmt
+    index, log, ns = make(tmp_path, 64 << 20)
+    rnd = random.Random(13)
+    data = rnd.randbytes(1 << 20)
+    ro = os.open(tmp_path / "ro", os.O_RDONLY | os.O_CREAT, 0o644)
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+        if owner == "write":  # a direct write first: the tail is then aligned
+            ns.write(f, 1 << 20, rnd.randbytes(1 << 20))
+            assert log.submitted is not None and await log.settle(log.submitted) is False
+        await log.sync()
+        log._pause()
+        ns.write(f, 0, data)
+        job = log.submitted
+        assert job is not None and not job.started
+        first = log.queued[0]
+        assert (first is job) == (owner == "write") and job.slot >= 0
+        slot = job.slot  # (in front of the PAD that aligns the write, if there is one)
+        if create:
+            async with log.ahead():
+                ns.create(ROOT_INO, b"new", 0o644, 0, 0)
+            assert log.stats.records_in_slots == 1
+        if owner == "write":
+            # memory one byte off the device's alignment: EINVAL, nothing written
+            job.bufs = [memoryview(bytearray(job.nbytes + 1))[1:]]
+        else:
+            first.fd = ro  # EBADF: the PAD fails, and with it the write it was queued for
+        log._resume()
+        try:
+            again = await log.settle(job)  # taken back: its request appends it again
+        except OSError as e:
+            assert owner == "pad" and e.errno == errno.EBADF
+            again = True
+        assert log.tail == slot + (logmod.SLOT if create else 0)
+        if again:
+            ns.write(f, 0, data)
+            if log.submitted is not None:
+                assert await log.settle(log.submitted) is False
+        await log.sync()
+
+    trio.run(main)
+    os.close(ro)
+    log.token = None
+    recs = records_in_log_order(log)
+    assert [r.type for r in recs if r.type == fmt.RecType.CREATE] == (
+        [fmt.RecType.CREATE] * (2 if create else 1))
+    f = ns.lookup(ROOT_INO, b"data").ino
+    assert ns.read(f, 0, 1 << 20) == data
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(tmp_path, 64 << 20)  # the log alone says the same
+    if create:
+        assert ns2.lookup(ROOT_INO, b"new") is not None
+    assert ns2.read(ns2.lookup(ROOT_INO, b"data").ino, 0, 1 << 20) == data
+    log2.close()
+    index2.close()
+
+
+def test_a_create_that_cannot_be_written_into_a_slot_leaves_it_to_the_writer(
+        small_tmpfs: Path) -> None:
+    """The disk is full when a create's record is to go into a slot: the create fails with
+    ENOSPC (a part of its record may be in the slot), and the slot goes back to the writer,
+    which fills it with a PAD once it writes the write behind it (room again by then): no
+    hole, no trace of the create, and a replay sees every write."""
+    index, log, ns = make(small_tmpfs, 16 << 20)
+    data = random.Random(17).randbytes(1 << 20)
+    filler = small_tmpfs / "filler"
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+        await log.sync()
+        log._pause()
+        ns.write(f, 0, data)
+        job = log.submitted
+        assert job is not None and not job.started
+        with open(filler, "wb") as fh:  # every block taken
+            try:
+                while True:
+                    fh.write(bytes(1 << 16))
+                    fh.flush()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        with pytest.raises(OSError) as err:
+            async with log.ahead():
+                ns.create(ROOT_INO, b"new", 0o644, 0, 0)
+        assert err.value.errno == errno.ENOSPC
+        assert log.stats.records_in_slots == 0
+        os.unlink(filler)
+        log._resume()
+        assert await log.settle(job) is False
+        await log.sync()
+
+    trio.run(main)
+    log.token = None
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(small_tmpfs, 16 << 20)  # no hole: the write is there
+    assert ns2.read(ns2.lookup(ROOT_INO, b"data").ino, 0, 1 << 20) == data
+    with pytest.raises(FsError):  # nor the failed create (a part of it was written)
+        ns2.lookup(ROOT_INO, b"new")
+    log2.close()
+    index2.close()
