@@ -53,12 +53,14 @@ PIPELINE_DEPTH = 8  # data records queued for the writer thread at most
 # a data record queued for the writer thread takes the sequence number this far above the one
 # before it: the numbers between are for creates written ahead of it (SegmentLog.ahead)
 SEQ_ROOM = 16
-# Room for one create's record, left unwritten in front of each direct data write queued for
-# the writer thread (SegmentLog._into_slot); the writer fills what no create took with a PAD
+# Room for creates' records, left unwritten in front of each direct data write queued for
+# the writer thread (SegmentLog._into_slot); the writer fills one no create took with a PAD
 # (CKPTFS_CREATE_SLOTS=0: none)
 SLOT = ALIGN
 CREATE_SLOTS = os.environ.get("CKPTFS_CREATE_SLOTS", "1") != "0"
-SLOT_FREE, SLOT_TAKEN, SLOT_PADDED = 0, 1, 2
+# a slot is free, holds creates' records (and a PAD after them), holds the writer's PAD, or
+# is broken after its records (a failed write there: the write behind it fails too)
+SLOT_FREE, SLOT_TAKEN, SLOT_PADDED, SLOT_BROKEN = 0, 1, 2, 3
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
 QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 64 << 10, "bytes")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -709,9 +711,9 @@ class SegmentLog:
             else:
                 job.retry = True
         self.queued.clear()
-        # back to where the failed write started, or to the slot in front of it unless a
-        # create's record is there (a PAD the writer wrote into it did not count: the write
-        # it was for failed)
+        # back to where the failed write started, or, unless the slot in front of it is whole
+        # with creates' records, to the end of those in it (a PAD the writer wrote into it
+        # does not count: the write it was for failed)
         slotted = failed if failed.slot >= 0 else owner  # (a PAD is behind its record's slot)
         self.tail = (slotted.slot + slotted.slot_used if slotted is not None
                      and slotted.slot >= 0 and slotted.slot_state != SLOT_TAKEN
@@ -839,7 +841,7 @@ class SegmentLog:
         if k is None:
             return True
         job = self._slot_after(k)
-        return job is not None and job.slot_state != SLOT_PADDED and (
+        return job is not None and job.slot_state in (SLOT_FREE, SLOT_TAKEN) and (
             SLOT - job.slot_used >= need + fmt.RECORD_HEADER_SIZE)
 
     def _into_slot(self, ino: int, offset: int, now: int, payload: bytes | memoryview,
@@ -862,7 +864,7 @@ class SegmentLog:
         if not self.queued or self.fd < 0:
             return None
         job = self._slot_after(0)
-        if job is None or job.slot_state == SLOT_PADDED:
+        if job is None or job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
             return None
         used = job.slot_used
         gap = SLOT - used - size
@@ -873,7 +875,7 @@ class SegmentLog:
         if seq >= limit:
             return None
         with self._gate:
-            if job.slot_state == SLOT_PADDED:
+            if job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
                 return None  # the writer has just written the PAD into it
             job.slot_state = SLOT_TAKEN
         # the record where the slot's PAD started, and a shorter PAD after it (one write)
@@ -912,9 +914,10 @@ class SegmentLog:
                           job.slot + used) != gap:
                 raise OSError(errno.ENOSPC, "short write to the log")
         except OSError as e:
-            job.slot_state = SLOT_FREE  # (not whole: see _fail_queue)
-            if job.error is None:
-                job.error = e
+            with self._gate:  # (the writer never fills a broken slot, see _fill_slot)
+                if job.error is None:
+                    job.error = e
+                job.slot_state = SLOT_BROKEN
             return
         if not used:
             job.slot_state = SLOT_PADDED
