@@ -43,13 +43,25 @@ def _write(path: Path, value: str) -> None:
 
 
 @contextlib.contextmanager
+def tracefs() -> Iterator[None]:
+    """tracefs at /sys/kernel/tracing for the while (unmounted again if this mounted it)."""
+    mounted = False
+    if not (TRACING / "events").is_dir():
+        mounted = subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACING)],
+                                 capture_output=True).returncode == 0
+    try:
+        if not (TRACING / "events" / "fuse" / "fuse_request_send").exists():
+            raise SystemExit("fusetrace: no FUSE tracepoints in /sys/kernel/tracing (needs "
+                             "root, tracefs and a kernel with events/fuse)")
+        yield
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(TRACING)], capture_output=True)
+
+
+@contextlib.contextmanager
 def tracing(connection: int, daemon: int) -> Iterator[Path]:
     """ftrace on for the events read here; off, filters and buffer as they were, afterwards."""
-    if not (TRACING / "events" / "fuse").is_dir():
-        subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACING)], capture_output=True)
-    if not (TRACING / "events" / "fuse" / "fuse_request_send").exists():
-        raise SystemExit("fusetrace: no FUSE tracepoints in /sys/kernel/tracing (needs root, "
-                         "tracefs and a kernel with events/fuse)")
     size = (TRACING / "buffer_size_kb").read_text().split()[0]
     filters = {f"fuse/{e}": f"connection == {connection}"
                for e in ("fuse_request_send", "fuse_request_end")}
@@ -224,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need --files >= 1, --ranks >= 1 and 4 <= --min-kib <= --max-kib")
     if os.geteuid() != 0:
         p.error("ftrace needs root")
+    with tracefs():
+        return _run(a)
+
+
+def _run(a: argparse.Namespace) -> int:
     temporary = a.workdir is None
     a.workdir = a.workdir or Path(tempfile.mkdtemp(prefix="fusetrace."))
     base = a.workdir / f"fusetrace.{os.getpid()}"
