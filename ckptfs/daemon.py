@@ -914,6 +914,7 @@ class Daemon:
             "log_direct_records": st.direct_records, "log_zero_copy_records": st.zero_copy_records,
             "log_pad_bytes": st.pad_bytes, "log_records_ahead": st.records_ahead,
             "log_records_in_slots": st.records_in_slots,
+            "log_records_riding": st.records_riding,
             "log_queued": len(self.seglog.queued),
             "seals": st.seals, "segments": by_state, "active_segment_bytes": self.seglog.tail
             if self.seglog.fd >= 0 else 0,

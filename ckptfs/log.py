@@ -52,15 +52,20 @@ PIPELINE = os.environ.get("CKPTFS_PIPELINE", "1") != "0"
 PIPELINE_DEPTH = 8  # data records queued for the writer thread at most
 # a data record queued for the writer thread takes the sequence number this far above the one
 # before it: the numbers between are for creates written ahead of it (SegmentLog.ahead)
-SEQ_ROOM = 16
+SEQ_ROOM = 64
 # Room for creates' records, left unwritten in front of each direct data write queued for
 # the writer thread (SegmentLog._into_slot); the writer fills one no create took with a PAD
 # (CKPTFS_CREATE_SLOTS=0: none)
 SLOT = ALIGN
 CREATE_SLOTS = os.environ.get("CKPTFS_CREATE_SLOTS", "1") != "0"
-# a slot is free, holds creates' records (and a PAD after them), holds the writer's PAD, or
-# is broken after its records (a failed write there: the write behind it fails too)
+# a slot is free, holds creates' records (and a PAD after them), holds what the writer wrote
+# into it (a PAD, after riders' records if any), or is broken after its records (a failed write
+# there: the write behind it fails too)
 SLOT_FREE, SLOT_TAKEN, SLOT_PADDED, SLOT_BROKEN = 0, 1, 2, 3
+# A small data record that arrives while data writes are queued rides in the slot of the first
+# one not written yet: the writer thread writes it there with that write (SegmentLog._ride),
+# rather than queueing it behind every queued write (CKPTFS_RIDERS=0: it queues)
+RIDERS = os.environ.get("CKPTFS_RIDERS", "1") != "0"
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
 QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 64 << 10, "bytes")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
@@ -123,7 +128,7 @@ class LogWrite:
     __slots__ = ("rtype", "ino", "offset", "time_ns", "seq", "payload_len", "head", "pos",
                  "size", "lead", "trail", "bufs", "nbytes", "fd", "later", "stage", "done",
                  "started", "written", "event", "token", "error", "retry", "slot", "slot_fd",
-                 "slot_state", "slot_used")
+                 "slot_state", "slot_used", "slot_seq", "riders", "owner")
 
     def __init__(self, fd: int, pos: int, bufs: list, nbytes: int,
                  token: trio.lowlevel.TrioToken, written: threading.Condition):
@@ -146,7 +151,19 @@ class LogWrite:
         self.slot = -1
         self.slot_fd = -1
         self.slot_state = SLOT_FREE
-        self.slot_used = 0  # bytes of creates' records in it (a PAD fills the rest)
+        # bytes of the records the trio thread wrote into it (creates', and riders' they took
+        # along; a PAD fills the rest)
+        self.slot_used = 0
+        self.slot_seq = 0  # the highest sequence number of a record placed in it
+        # small data records that ride in the slot, after the creates' records: the writer
+        # thread writes them there once it has written this write (SegmentLog._ride)
+        self.riders: list[LogWrite] = []
+        self.owner: LogWrite | None = None  # a rider's: the write whose slot it rides in
+
+    @property
+    def slot_ride(self) -> int:
+        """Bytes of the slot its riders take, after the creates' records."""
+        return sum(r.nbytes for r in self.riders)
 
     @property
     def zero_copy(self) -> bool:
@@ -180,6 +197,7 @@ class LogStats:
     pad_bytes: int = 0  # PAD records that align them
     records_ahead: int = 0  # creates written ahead of queued data writes (SegmentLog.ahead)
     records_in_slots: int = 0  # of those, into the slot in front of one (SegmentLog._into_slot)
+    records_riding: int = 0  # small data records written in such a slot (SegmentLog._ride)
     # every reason ns.seal() is given, so that each is reported from the start
     seals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("size", "idle", "wait", "space", "recovery", "tier", "shutdown"), 0))
@@ -360,6 +378,12 @@ class SegmentLog:
         n = len(payload)
         size = fmt.record_size(n)
         self.submitted = None
+        if (RIDERS and later is not None and self.token is not None
+                and rtype in _DIRECT_TYPES and self.queued and size < SLOT):
+            rider = self._ride(rtype, ino, offset, now, payload, size, later)
+            if rider is not None:
+                self.submitted = rider
+                return None
         if (later is not None and self.token is not None and rtype in _DIRECT_TYPES
                 and (self.queued or n >= QUEUE_MIN) and self._fits_queue(size)):
             while self._queue_full(n):
@@ -647,15 +671,24 @@ class SegmentLog:
                 pass  # nobody waits in trio any more; _finish() uses `done`
 
     def _fill_slot(self, job: LogWrite) -> None:
-        """The writer thread, once `job` is written: a PAD into the slot in front of it unless
-        a create took it. Before `job` is done, so before anything after it is applied or
-        acknowledged: a hole in the log ends it for replay."""
+        """The writer thread, once `job` is written: its riders' records into the slot in
+        front of it, after the creates' records there, and a PAD to the slot's end; or only
+        the PAD if no create took the slot and no record rides in it. Before `job` is done,
+        so before anything after it is applied or acknowledged: a hole in the log ends it
+        for replay."""
         with self._gate:
-            if job.slot_state != SLOT_FREE:
+            if job.slot_state == SLOT_TAKEN and not job.riders:
                 return
-            job.slot_state = SLOT_PADDED
-        if os.pwritev(job.slot_fd, [fmt.pad_header(SLOT), fmt.pad_body(SLOT)],
-                      job.slot) != SLOT:
+            if job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
+                return
+            job.slot_state = SLOT_PADDED  # (no rider or create can join from here on)
+            riders = list(job.riders)
+            used = job.slot_used
+        parts: list = [b for r in riders for b in r.bufs]
+        gap = SLOT - used - sum(r.nbytes for r in riders)
+        if gap:
+            parts += [fmt.pad_header(gap), fmt.pad_body(gap)]
+        if os.pwritev(job.slot_fd, parts, job.slot + used) != SLOT - used:
             raise OSError(errno.ENOSPC, "short write to the log")
 
     def _finish(self, upto: LogWrite) -> None:
@@ -674,8 +707,10 @@ class SegmentLog:
             if job.error is not None:
                 self._fail_queue(job)
                 return
-            if job.slot_state == SLOT_PADDED:
-                self.stats.pad_bytes += SLOT
+            if job.slot_state == SLOT_PADDED:  # (creates counted the PAD they left)
+                self.stats.pad_bytes += -job.slot_ride if job.slot_used else SLOT - job.slot_ride
+            for r in job.riders:  # in front of it in the log
+                self._apply_rider(r)
             if job.rtype == RecType.PAD:
                 self.stats.pad_bytes += job.nbytes
             else:
@@ -702,6 +737,7 @@ class SegmentLog:
         # for (right behind it). Appended again instead, that record would queue behind a new
         # PAD at the same tail, which could fail the same way without end.
         owner = self.queued[0] if failed.rtype == RecType.PAD and self.queued else None
+        # (riders of these writes are not done: their requests append them again, settle())
         for job in self.queued:  # cancelled behind it: never written
             job.wait_sync()
             if job.stage >= 0:
@@ -793,9 +829,14 @@ class SegmentLog:
         if res is not None:
             return res
         first = self.queued[0]
+        owner = self._slot_after(0)
+        if owner is not None and owner.riders and owner.slot_state == SLOT_FREE:
+            return None  # (in front of them, it would take a number below theirs)
         limit = next((job.seq for job in self.queued if job.rtype != RecType.PAD), 0)
-        # (the queued record's number less SEQ_ROOM was the log's highest when it was queued)
-        seq = max(self._last_seq, limit - SEQ_ROOM) + 1
+        # (the queued record's number less SEQ_ROOM was the log's highest when it was queued;
+        # a record after the slot's takes a number above theirs)
+        seq = max(self._last_seq, limit - SEQ_ROOM,
+                  owner.slot_seq if owner is not None else 0) + 1
         delta = -(-size // ALIGN) * ALIGN
         if 0 < delta - size < fmt.RECORD_HEADER_SIZE:
             delta += ALIGN
@@ -807,9 +848,10 @@ class SegmentLog:
             parts += [fmt.pad_header(gap), fmt.pad_body(gap)]
         # where the first of them starts: the slot in front of it, if no create's record is
         # in it (the record did not fit in it), which moves down with it
-        owner = self._slot_after(0)
         pos = (owner.slot if owner is not None and owner.slot_state == SLOT_FREE
                and not owner.slot_used and owner.slot < first.pos else first.pos)
+        # (a slot with creates' records is whole, a PAD after them, in front of which riders
+        # not written yet will go)
         # nothing is being written: the writer is paused before the first of these
         if os.pwritev(self.fd, parts, pos) != delta:
             # (a short write: the place is the first queued write's, which overwrites it)
@@ -842,17 +884,19 @@ class SegmentLog:
             return True
         job = self._slot_after(k)
         return job is not None and job.slot_state in (SLOT_FREE, SLOT_TAKEN) and (
-            SLOT - job.slot_used >= need + fmt.RECORD_HEADER_SIZE)
+            SLOT - job.slot_used - job.slot_ride >= need + fmt.RECORD_HEADER_SIZE)
 
     def _into_slot(self, ino: int, offset: int, now: int, payload: bytes | memoryview,
                    size: int) -> tuple[int, Record] | None:
         """Write a CREATE record into the slot in front of the first queued write not written
         yet, after the records already there, with a PAD to the slot's end (format.md
-        section 1.6). The writer thread may be writing that write meanwhile: the create
-        then waits only for the inode lock an extending O_DIRECT write holds. The writes
-        before the slot are written: they are applied first, so the index and the SEAL
-        table still take records in log order. Its sequence number is one more than the
-        last applied, below that write's (SEQ_ROOM). A SIGKILL leaves it in the log (it is
+        section 1.6). Riders waiting there (_ride) go into the same write, in front of it,
+        and are applied first: the writer would otherwise write them over it. The writer
+        thread may be writing that write meanwhile: the create then waits only for the
+        inode lock an extending O_DIRECT write holds. The writes before the slot are
+        written: they are applied first, so the index and the SEAL table still take records
+        in log order. Its sequence number is one more than the slot's last record's, below
+        that write's (SEQ_ROOM). A SIGKILL leaves it in the log (it is
         in the page cache when the create returns), followed by that write or by the end of
         the log; if that write fails, the tail goes back to just after the slot's records
         (_fail_queue). None if there is no such slot, the writer has filled it, or the
@@ -867,19 +911,27 @@ class SegmentLog:
         if job is None or job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
             return None
         used = job.slot_used
-        gap = SLOT - used - size
+        ride = job.slot_ride
+        gap = SLOT - used - ride - size
         if gap < 0 or 0 < gap < fmt.RECORD_HEADER_SIZE:
             return None
+        if job.riders and len(self.rows) + (len(job.riders) + 1) * fmt.SEAL_ROW.size >= (
+                fmt.MAX_SEAL_ROWS * fmt.SEAL_ROW.size):
+            return None  # (applying the riders must not seal the segment under the create)
         limit = next((j.seq for j in self.queued if j.rtype != RecType.PAD), 0)
-        seq = max(self._last_seq, limit - SEQ_ROOM) + 1
+        seq = max(self._last_seq, limit - SEQ_ROOM, job.slot_seq) + 1
         if seq >= limit:
             return None
         with self._gate:
             if job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
                 return None  # the writer has just written the PAD into it
             job.slot_state = SLOT_TAKEN
-        # the record where the slot's PAD started, and a shorter PAD after it (one write)
-        parts = fmt.encode_record(RecType.CREATE, ino, offset, now, seq, payload)
+            riders, job.riders = job.riders, []  # this thread writes them now, not the writer
+        job.slot_seq = seq
+        # the riders' records and this one where the slot's PAD started, and a shorter PAD
+        # after them (one write)
+        cparts = fmt.encode_record(RecType.CREATE, ino, offset, now, seq, payload)
+        parts = [b for r in riders for b in r.bufs] + cparts
         if gap:
             parts += [fmt.pad_header(gap), fmt.pad_body(gap)]
         at = job.slot + used
@@ -887,31 +939,38 @@ class SegmentLog:
             if os.pwritev(self.fd, parts, at) != SLOT - used:
                 raise OSError(errno.ENOSPC, "short write to the log")
         except OSError:
-            self._unslot(job)
+            self._unslot(job, riders)
             raise
-        job.slot_used = used + size
+        job.slot_used = used + ride + size
         self.stats.pad_bytes += gap - (SLOT - used if used else 0)
         self.stats.records_ahead += 1
         self.stats.records_in_slots += 1
+        for r in riders:  # in front of it: applied first (the records before them are)
+            self._apply_rider(r)
         return self.seg_id, self._appended(RecType.CREATE, ino, offset, now, seq, payload,
-                                           len(payload), parts[0], at, size)
+                                           len(payload), cparts[0], at + ride, size)
 
-    def _unslot(self, job: LogWrite) -> None:
+    def _unslot(self, job: LogWrite, riders: list[LogWrite]) -> None:
         """A create's record could not be written into `job`'s slot (a part of it may be
-        there): what follows the records already in the slot must not stay broken in front
-        of `job`. An empty slot the writer has not come to yet is left to it (it fills it
-        with a PAD); otherwise this thread writes the PAD after the records in it, and if
-        that fails too, `job` fails with the error (the tail goes back to just after those
-        records, _fail_queue)."""
+        there), nor the riders' it took along: what follows the records already in the
+        slot must not stay broken in front of `job`. An empty slot the writer has not come
+        to yet is left to it (it fills it with the riders' records and a PAD); otherwise
+        this thread writes the riders' records and the PAD after the records in it (the
+        writer may write the same riders' bytes there again: harmless), and if that fails
+        too, `job` fails with the error (the tail goes back to just after those records,
+        _fail_queue, and the riders are appended again)."""
         used = job.slot_used
         with self._gate:
+            job.riders[:0] = riders  # back: _finish applies them (or settle() retries them)
             if not used and not job.started:
                 job.slot_state = SLOT_FREE
                 return
-        gap = SLOT - used
+        gap = SLOT - used - sum(r.nbytes for r in riders)
+        parts: list = [b for r in riders for b in r.bufs]
+        if gap:
+            parts += [fmt.pad_header(gap), fmt.pad_body(gap)]
         try:
-            if os.pwritev(self.fd, [fmt.pad_header(gap), fmt.pad_body(gap)],
-                          job.slot + used) != gap:
+            if os.pwritev(self.fd, parts, job.slot + used) != SLOT - used:
                 raise OSError(errno.ENOSPC, "short write to the log")
         except OSError as e:
             with self._gate:  # (the writer never fills a broken slot, see _fill_slot)
@@ -922,11 +981,71 @@ class SegmentLog:
         if not used:
             job.slot_state = SLOT_PADDED
 
+    def _ride(self, rtype: int, ino: int, offset: int, now: int, payload: bytes | memoryview,
+              size: int, later: Callable[[int, Record], None]) -> LogWrite | None:
+        """A small data record while data writes are queued: rather than queueing it behind
+        all of them (its request would wait for every one), reserve its place in the slot in
+        front of the first one not written yet, after the records there; the writer thread
+        writes it there once it has written that write, before that write is done
+        (_fill_slot), and _finish() applies it just before that write. Its request waits
+        for that one write only. Its sequence number is one more than the slot's last
+        record's, below that write's (SEQ_ROOM). None if there is no such slot, the writer
+        has filled it already, or the record does not fit in what is left of it (the PAD
+        after the slot's records must fit too): queued, then."""
+        while self.queued and self.queued[0].done:
+            self._finish(self.queued[0])  # (which may seal the segment, or take back a fail)
+        if not self.queued or self.fd < 0:
+            return None
+        job = self._slot_after(0)
+        if job is None or job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
+            return None
+        gap = SLOT - job.slot_used - job.slot_ride - size
+        if gap < 0 or 0 < gap < fmt.RECORD_HEADER_SIZE:
+            return None
+        limit = next((j.seq for j in self.queued if j.rtype != RecType.PAD), 0)
+        seq = max(self._last_seq, limit - SEQ_ROOM, job.slot_seq) + 1
+        if seq >= limit:
+            return None
+        parts = fmt.encode_record(rtype, ino, offset, now, seq, payload)
+        rider = LogWrite(job.slot_fd, job.slot + job.slot_used + job.slot_ride, parts, size,
+                         job.token, self._written)
+        rider.rtype, rider.ino, rider.offset, rider.time_ns, rider.seq = (rtype, ino, offset,
+                                                                         now, seq)
+        rider.payload_len, rider.head, rider.size, rider.later = len(payload), parts[0], size, later
+        rider.owner = job
+        with self._gate:
+            if job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
+                return None  # the writer is filling it (or has)
+            job.riders.append(rider)
+        job.slot_seq = seq
+        return rider
+
+    def _apply_rider(self, r: LogWrite) -> None:
+        """A rider's record is written (_fill_slot, or a create took it along): account and
+        apply it, in log order."""
+        rec = self._appended(r.rtype, r.ino, r.offset, r.time_ns, r.seq, b"", r.payload_len,
+                             r.head, r.pos, r.size)
+        self.stats.records_riding += 1
+        r.done = True
+        assert r.later is not None
+        r.later(self.seg_id, rec)
+
     async def settle(self, job: LogWrite) -> bool:
         """For the request whose record is `job`: wait (serving other requests meanwhile)
         until it and everything queued before it are written and applied. True if it was not
         written and must be appended again (O_DIRECT refused, or an earlier write failed);
-        raises its own write's error (ENOSPC, EIO), or that of the PAD queued for it."""
+        raises its own write's error (ENOSPC, EIO), or that of the PAD queued for it. A rider
+        (_ride) is written with the write in whose slot it rides, and applied just before
+        it."""
+        if job.owner is not None:
+            if not job.done:
+                try:
+                    await self.settle(job.owner)
+                except OSError:
+                    pass  # that write's own failure
+            # not applied: that write failed or was cancelled (the tail went back to where
+            # the rider's record was to be, _fail_queue), so the rider is appended again
+            return not job.done
         if job in self.queued:
             for earlier in list(self.queued):
                 await earlier.wait()

@@ -592,22 +592,27 @@ def test_a_create_written_ahead_of_unwritten_writes_survives_a_sigkill(tmp_path:
 
 @pytest.mark.parametrize("owner", ["write", "pad"])
 @pytest.mark.parametrize("create", [True, False])
+@pytest.mark.parametrize("rider", [True, False])
 def test_a_write_that_fails_behind_a_slot_leaves_no_hole_and_keeps_the_create_in_it(
-        tmp_path: Path, create: bool, owner: str) -> None:
+        tmp_path: Path, create: bool, owner: str, rider: bool) -> None:
     """The write that owns a slot fails after a create's record went into the slot, or with
     the slot still free: the direct write itself ("write": EINVAL, O_DIRECT refuses memory
     off the device's alignment) or the PAD that aligns it ("pad": EBADF). The tail goes
     back to just after the create's record, or to the slot itself, so nothing acknowledged
-    sits after a hole, and the data is appended again."""
+    sits after a hole, and the data is appended again. A small write that rode in the slot
+    (SegmentLog._ride) is kept if the create took it along into the slot, and appended
+    again if not (it was never written)."""
     from ckptfs import segment as fmt
     index, log, ns = make(tmp_path, 64 << 20)
     rnd = random.Random(13)
     data = rnd.randbytes(1 << 20)
+    small = rnd.randbytes(700)
     ro = os.open(tmp_path / "ro", os.O_RDONLY | os.O_CREAT, 0o644)
 
     async def main() -> None:
         log.token = trio.lowlevel.current_trio_token()
         f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+        other = ns.create(ROOT_INO, b"other", 0o644, 0, 0).ino if rider else 0
         if owner == "write":  # a direct write first: the tail is then aligned
             ns.write(f, 1 << 20, rnd.randbytes(1 << 20))
             assert log.submitted is not None and await log.settle(log.submitted) is False
@@ -619,10 +624,17 @@ def test_a_write_that_fails_behind_a_slot_leaves_no_hole_and_keeps_the_create_in
         first = log.queued[0]
         assert (first is job) == (owner == "write") and job.slot >= 0
         slot = job.slot  # (in front of the PAD that aligns the write, if there is one)
+        if rider:
+            ns.write(other, 0, small)
+            riding = log.submitted
+            assert riding is not None and riding.owner is job and not riding.done
         if create:
             async with log.ahead():
                 ns.create(ROOT_INO, b"new", 0o644, 0, 0)
             assert log.stats.records_in_slots == 1
+            if rider:  # written along with the create, in front of it, and applied
+                assert riding.done and log.stats.records_riding == 1
+                assert ns.read(other, 0, 1000) == small
         if owner == "write":
             # memory one byte off the device's alignment: EINVAL, nothing written
             job.bufs = [memoryview(bytearray(job.nbytes + 1))[1:]]
@@ -635,6 +647,13 @@ def test_a_write_that_fails_behind_a_slot_leaves_no_hole_and_keeps_the_create_in
             assert owner == "pad" and e.errno == errno.EBADF
             again = True
         assert log.tail == slot + (logmod.SLOT if create else 0)
+        if rider:
+            assert await log.settle(riding) is (not create)
+            if not create:  # never written: its request appends it again
+                assert log.stats.records_riding == 0
+                ns.write(other, 0, small)
+                if log.submitted is not None:
+                    assert await log.settle(log.submitted) is False
         if again:
             ns.write(f, 0, data)
             if log.submitted is not None:
@@ -646,7 +665,9 @@ def test_a_write_that_fails_behind_a_slot_leaves_no_hole_and_keeps_the_create_in
     log.token = None
     recs = records_in_log_order(log)
     assert [r.type for r in recs if r.type == fmt.RecType.CREATE] == (
-        [fmt.RecType.CREATE] * (2 if create else 1))
+        [fmt.RecType.CREATE] * (1 + create + rider))
+    seqs = [r.seq for r in recs if r.type != fmt.RecType.SEAL]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     f = ns.lookup(ROOT_INO, b"data").ino
     assert ns.read(f, 0, 1 << 20) == data
     log.close()
@@ -654,6 +675,8 @@ def test_a_write_that_fails_behind_a_slot_leaves_no_hole_and_keeps_the_create_in
     index2, log2, ns2 = reopen(tmp_path, 64 << 20)  # the log alone says the same
     if create:
         assert ns2.lookup(ROOT_INO, b"new") is not None
+    if rider:
+        assert ns2.read(ns2.lookup(ROOT_INO, b"other").ino, 0, 1000) == small
     assert ns2.read(ns2.lookup(ROOT_INO, b"data").ino, 0, 1 << 20) == data
     log2.close()
     index2.close()
@@ -704,3 +727,129 @@ def test_a_create_that_cannot_be_written_into_a_slot_leaves_it_to_the_writer(
         ns2.lookup(ROOT_INO, b"new")
     log2.close()
     index2.close()
+
+
+def test_small_writes_ride_in_the_slot_of_the_first_write_not_written(tmp_path: Path) -> None:
+    """Small data records that arrive while big ones are queued (the few bytes an unaligned
+    1 MiB write() leaves for a second request) ride in the slot in front of the first queued
+    write (SegmentLog._ride), not behind the last: each waits for that one write only. The
+    writer thread writes them there once it has written that write; they are applied just
+    before it, the log's order and numbers agree, and a replay says the same. A create
+    into that slot takes the riders along (writes their records in front of its own); a
+    create too long for the slot goes ahead of the queued writes, numbered above a rider
+    that came after the first create."""
+    from ckptfs import segment as fmt
+    index, log, ns = make(tmp_path, 64 << 20)
+    rnd = random.Random(23)
+    bigs = [rnd.randbytes(1 << 20) for _ in range(3)]
+    smalls = [rnd.randbytes(n) for n in (40, 1000, 3, 77)]
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"big", 0o644, 0, 0).ino
+        g = ns.create(ROOT_INO, b"small", 0o644, 0, 0).ino
+        await log.sync()
+        log._pause()  # (so that the big writes stay queued, none started)
+        jobs = []
+        for i, d in enumerate(bigs):
+            ns.write(f, i << 20, d)
+            assert log.submitted is not None
+            jobs.append(log.submitted)
+        riders, off = [], 0
+        for d in smalls[:3]:
+            ns.write(g, off, d)
+            off += len(d)
+            r = log.submitted
+            assert r is not None and r.owner is jobs[0] and not r.done
+            riders.append(r)
+        assert ns.inode(g).size == 0  # not applied before the write it rides with
+        async with log.ahead():
+            ns.create(ROOT_INO, b"c1", 0o644, 0, 0)
+        assert all(r.done for r in riders) and ns.inode(g).size == 1043  # taken along
+        ns.write(g, off, smalls[3])  # rides behind the create
+        assert log.submitted is not None and log.submitted.owner is jobs[0]
+        riders.append(log.submitted)
+        async with log.ahead(4000):  # no room left in the slot: ahead of the queued writes
+            ns.symlink(ROOT_INO, b"link", b"t" * 3900, 0, 0)
+        assert (log.stats.records_in_slots, log.stats.records_ahead) == (1, 2)
+        log._resume()
+        for r in riders:
+            assert await log.settle(r) is False and r.done
+        assert jobs[0].done
+        for j in jobs:
+            assert await log.settle(j) is False
+        await log.sync()
+
+    trio.run(main)
+    log.token = None
+    assert log.stats.records_riding == 4
+    f, g = ns.lookup(ROOT_INO, b"big").ino, ns.lookup(ROOT_INO, b"small").ino
+    assert ns.read(f, 0, 3 << 20) == b"".join(bigs)
+    assert ns.read(g, 0, 2000) == b"".join(smalls)
+    recs = records_in_log_order(log)
+    seqs = [r.seq for r in recs if r.type != fmt.RecType.SEAL]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    c1, link = ns.lookup(ROOT_INO, b"c1").ino, ns.lookup(ROOT_INO, b"link").ino
+    order = [(r.ino, r.offset) for r in recs[2:] if r.type in (fmt.RecType.WRITE,
+                                                                fmt.RecType.CREATE)]
+    assert order == [(g, 0), (g, 40), (g, 1040), (c1, 0), (g, 1043), (link, 0),
+                     (f, 0), (f, 1 << 20), (f, 2 << 20)], order
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(tmp_path, 64 << 20)  # the log alone says the same
+    assert ns2.read(ns2.lookup(ROOT_INO, b"big").ino, 0, 3 << 20) == b"".join(bigs)
+    assert ns2.read(ns2.lookup(ROOT_INO, b"small").ino, 0, 2000) == b"".join(smalls)
+    assert ns2.lookup(ROOT_INO, b"link") is not None and ns2.lookup(ROOT_INO, b"c1")
+    log2.close()
+    index2.close()
+
+
+KILLED_RIDING = r"""
+import os, signal, sys, trio
+sys.path.insert(0, sys.argv[2])
+from pathlib import Path
+from ckptfs.index import ROOT_INO
+from test_format import make
+
+index, log, ns = make(Path(sys.argv[1]), 64 << 20)
+
+async def main():
+    log.token = trio.lowlevel.current_trio_token()
+    f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+    g = ns.create(ROOT_INO, b"small", 0o644, 0, 0).ino
+    await log.sync()
+    log._pause()
+    for i in range(4):
+        ns.write(f, i << 20, os.urandom(1 << 20))  # queued, never written
+    ns.write(g, 0, b"taken along")  # rides in the first one's slot
+    assert log.submitted.owner is not None
+    async with log.ahead():  # into that slot: writes the rider's record with its own
+        ns.create(ROOT_INO, b"new", 0o644, 0, 0)
+    assert log.stats.records_riding == 1 and log.stats.records_in_slots == 1, log.stats
+    ns.write(g, 100, b"never acknowledged")  # rides again, behind the create
+    assert log.submitted.owner is not None and not log.submitted.done
+    # the create returned to the application: a SIGKILL must not lose it, nor the bytes
+    # written in front of it
+    os.kill(os.getpid(), signal.SIGKILL)
+
+trio.run(main)
+"""
+
+
+def test_a_create_that_takes_riders_along_survives_a_sigkill_with_them(tmp_path: Path) -> None:
+    """A create that goes into a slot where small writes ride writes their records with its
+    own, in front of it: after a SIGKILL (the writes the slot belongs to never written) a
+    replay has the create and those writes, not the rider that came after the create (it
+    was never written, nor acknowledged), and nothing corrupt."""
+    tests = Path(__file__).parent
+    res = subprocess.run([os.sys.executable, "-c", KILLED_RIDING, str(tmp_path), str(tests)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == -9, res.stderr
+    index, log, ns = reopen(tmp_path, 64 << 20)
+    assert ns.lookup(ROOT_INO, b"new") is not None
+    g = ns.lookup(ROOT_INO, b"small").ino
+    assert ns.inode(g).size == len(b"taken along")
+    assert ns.read(g, 0, 200) == b"taken along"
+    assert ns.inode(ns.lookup(ROOT_INO, b"data").ino).size == 0
+    log.close()
+    index.close()
