@@ -711,6 +711,7 @@ class SegmentLog:
                 self.stats.pad_bytes += -job.slot_ride if job.slot_used else SLOT - job.slot_ride
             for r in job.riders:  # in front of it in the log
                 self._apply_rider(r)
+            job.riders = []  # (each rider refers to its write: no cycle keeps the payload)
             if job.rtype == RecType.PAD:
                 self.stats.pad_bytes += job.nbytes
             else:
@@ -738,7 +739,9 @@ class SegmentLog:
         # PAD at the same tail, which could fail the same way without end.
         owner = self.queued[0] if failed.rtype == RecType.PAD and self.queued else None
         # (riders of these writes are not done: their requests append them again, settle())
+        failed.riders = []
         for job in self.queued:  # cancelled behind it: never written
+            job.riders = []
             job.wait_sync()
             if job.stage >= 0:
                 self._free_stages.append(job.stage)

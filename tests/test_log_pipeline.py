@@ -853,3 +853,45 @@ def test_a_create_that_takes_riders_along_survives_a_sigkill_with_them(tmp_path:
     assert ns.inode(ns.lookup(ROOT_INO, b"data").ino).size == 0
     log.close()
     index.close()
+
+
+def test_written_riders_and_their_writes_are_freed_without_the_cycle_collector(
+        tmp_path: Path) -> None:
+    """A rider refers to the write whose slot it rides in, which holds the write's payload
+    (1 MiB): once both are written and applied nothing may refer back, or each pair would
+    wait for Python's cycle collector, and a save of big shards from unaligned buffers (a
+    rider per MiB) held ~180 MiB more in the daemon (227-244 MiB peak against 57)."""
+    import gc
+    index, log, ns = make(tmp_path, 64 << 20)
+    rnd = random.Random(29)
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"big", 0o644, 0, 0).ino
+        g = ns.create(ROOT_INO, b"small", 0o644, 0, 0).ino
+        await log.sync()
+        for i in range(40):
+            log._pause()
+            ns.write(f, i << 20, rnd.randbytes(1 << 20))  # (no two alike: none deduplicated)
+            job = log.submitted
+            ns.write(g, i * 10, b"0123456789")  # rides in front of it
+            rider = log.submitted
+            assert job is not None and rider is not None and rider.owner is job
+            log._resume()
+            assert await log.settle(rider) is False and await log.settle(job) is False
+        await log.sync()
+
+    gc.collect()
+    gc.disable()
+    try:
+        trio.run(main)
+        log.token = None
+        log.submitted = None
+        alive = [o for o in gc.get_objects() if type(o) is logmod.LogWrite]
+    finally:
+        gc.enable()
+    assert log.stats.records_riding == 40
+    assert len(alive) <= 2, f"{len(alive)} log writes still referenced"  # (the writer's last)
+    assert ns.read(ns.lookup(ROOT_INO, b"small").ino, 0, 400) == b"0123456789" * 40
+    log.close()
+    index.close()
