@@ -69,6 +69,9 @@ RIDERS = os.environ.get("CKPTFS_RIDERS", "1") != "0"
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
 QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 64 << 10, "bytes")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
+# data records that may wait for the writer thread (append(later=...)): a REF (a write whose
+# bytes an earlier record holds) is as small as a rider, and would otherwise wait for the queue
+_LATER_TYPES = _DIRECT_TYPES | {RecType.REF}
 # a direct record's payload this big is written from where it lies in memory, not copied
 # (CKPTFS_ZERO_COPY=0: always copied into the staging buffer)
 ZERO_COPY_MIN = 64 << 10 if os.environ.get("CKPTFS_ZERO_COPY", "1") != "0" else 0
@@ -128,7 +131,7 @@ class LogWrite:
     __slots__ = ("rtype", "ino", "offset", "time_ns", "seq", "payload_len", "head", "pos",
                  "size", "lead", "trail", "bufs", "nbytes", "fd", "later", "stage", "done",
                  "started", "written", "event", "token", "error", "retry", "slot", "slot_fd",
-                 "slot_state", "slot_used", "slot_seq", "riders", "owner")
+                 "slot_state", "slot_used", "slot_seq", "riders", "owner", "payload")
 
     def __init__(self, fd: int, pos: int, bufs: list, nbytes: int,
                  token: trio.lowlevel.TrioToken, written: threading.Condition):
@@ -159,6 +162,7 @@ class LogWrite:
         # thread writes them there once it has written this write (SegmentLog._ride)
         self.riders: list[LogWrite] = []
         self.owner: LogWrite | None = None  # a rider's: the write whose slot it rides in
+        self.payload: bytes | memoryview = b""  # a REF's, which applying it needs
 
     @property
     def slot_ride(self) -> int:
@@ -379,12 +383,12 @@ class SegmentLog:
         size = fmt.record_size(n)
         self.submitted = None
         if (RIDERS and later is not None and self.token is not None
-                and rtype in _DIRECT_TYPES and self.queued and size < SLOT):
+                and rtype in _LATER_TYPES and self.queued and size < SLOT):
             rider = self._ride(rtype, ino, offset, now, payload, size, later)
             if rider is not None:
                 self.submitted = rider
                 return None
-        if (later is not None and self.token is not None and rtype in _DIRECT_TYPES
+        if (later is not None and self.token is not None and rtype in _LATER_TYPES
                 and (self.queued or n >= QUEUE_MIN) and self._fits_queue(size)):
             while self._queue_full(n):
                 self._finish(self.queued[0])  # the oldest: usually written already
@@ -622,6 +626,8 @@ class SegmentLog:
             job = LogWrite(self.fd, self.tail, parts, size, self.token, self._written)
         job.rtype, job.ino, job.offset, job.time_ns, job.seq = rtype, ino, offset, now, self.seq
         job.payload_len, job.head, job.size, job.later = n, head, size, later
+        if rtype == RecType.REF:
+            job.payload = payload
         if slot >= 0:
             job.slot, job.slot_fd = slot, self.fd
         self._enqueue(job)
@@ -719,8 +725,9 @@ class SegmentLog:
                     self.stats.direct_records += 1
                     self.stats.zero_copy_records += job.zero_copy
                     self.stats.pad_bytes += job.lead + job.trail
-                rec = self._appended(job.rtype, job.ino, job.offset, job.time_ns, job.seq, b"",
-                                     job.payload_len, job.head, job.pos + job.lead, job.size)
+                rec = self._appended(job.rtype, job.ino, job.offset, job.time_ns, job.seq,
+                                     job.payload, job.payload_len, job.head, job.pos + job.lead,
+                                     job.size)
                 assert job.later is not None
                 job.later(self.seg_id, rec)
             if job is upto:
@@ -1016,6 +1023,8 @@ class SegmentLog:
                                                                          now, seq)
         rider.payload_len, rider.head, rider.size, rider.later = len(payload), parts[0], size, later
         rider.owner = job
+        if rtype == RecType.REF:
+            rider.payload = payload
         with self._gate:
             if job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
                 return None  # the writer is filling it (or has)
@@ -1026,8 +1035,8 @@ class SegmentLog:
     def _apply_rider(self, r: LogWrite) -> None:
         """A rider's record is written (_fill_slot, or a create took it along): account and
         apply it, in log order."""
-        rec = self._appended(r.rtype, r.ino, r.offset, r.time_ns, r.seq, b"", r.payload_len,
-                             r.head, r.pos, r.size)
+        rec = self._appended(r.rtype, r.ino, r.offset, r.time_ns, r.seq, r.payload,
+                             r.payload_len, r.head, r.pos, r.size)
         self.stats.records_riding += 1
         r.done = True
         assert r.later is not None

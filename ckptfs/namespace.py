@@ -506,7 +506,7 @@ class Namespace:
             if hit is not None and hit[2] == n and self._chunk_alive(hit[0]):
                 # the incremental drain: these bytes are already in an earlier record (and
                 # published, or about to be, before this one): reference them
-                self.record(RecType.REF, ino, off, fmt.REF_BODY.pack(hit[0], hit[1], n))
+                self.record_later(RecType.REF, ino, off, fmt.REF_BODY.pack(hit[0], hit[1], n))
                 self.dedup_hits += 1
                 self.dedup_bytes += n
             else:

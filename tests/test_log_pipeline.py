@@ -895,3 +895,53 @@ def test_written_riders_and_their_writes_are_freed_without_the_cycle_collector(
     assert ns.read(ns.lookup(ROOT_INO, b"small").ino, 0, 400) == b"0123456789" * 40
     log.close()
     index.close()
+
+
+@pytest.mark.parametrize("riders", [True, False])
+def test_a_deduplicated_write_waits_for_no_queue_on_the_trio_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, riders: bool) -> None:
+    """A write whose bytes an earlier record holds becomes a 20-byte REF record (the
+    incremental drain). With data writes queued it used to wait for all of them, blocking
+    the trio thread; it now rides in the slot of the first of them like any small data
+    record (or, riders off, queues behind them), and is applied in log order: reads and a
+    replay see it."""
+    from ckptfs import segment as fmt
+    monkeypatch.setattr(logmod, "RIDERS", riders)
+    index, log, ns = make(tmp_path, 64 << 20)
+    rnd = random.Random(31)
+    same = rnd.randbytes(1 << 20)
+    fresh = rnd.randbytes(1 << 20)
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"old", 0o644, 0, 0).ino
+        g = ns.create(ROOT_INO, b"new", 0o644, 0, 0).ino
+        ns.write(f, 0, same)
+        assert log.submitted is not None and await log.settle(log.submitted) is False
+        await log.sync()
+        log._pause()  # (the next write stays queued)
+        ns.write(g, 0, fresh)
+        big = log.submitted
+        ns.write(g, 1 << 20, same)  # the same bytes as "old": a REF
+        ref = log.submitted
+        assert big is not None and ref is not None and ref.rtype == fmt.RecType.REF
+        assert not big.started and not ref.done and ns.dedup_hits == 1
+        if riders:
+            assert ref.owner is big
+        else:
+            assert list(log.queued)[-1] is ref
+        assert ns.inode(g).size == 0  # neither applied yet
+        log._resume()
+        assert await log.settle(ref) is False and await log.settle(big) is False
+        await log.sync()
+
+    trio.run(main)
+    log.token = None
+    g = ns.lookup(ROOT_INO, b"new").ino
+    assert ns.read(g, 0, 2 << 20) == fresh + same
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(tmp_path, 64 << 20)  # the log alone says the same
+    assert ns2.read(ns2.lookup(ROOT_INO, b"new").ino, 0, 2 << 20) == fresh + same
+    log2.close()
+    index2.close()
