@@ -715,9 +715,12 @@ class SegmentLog:
                 return
             if job.slot_state == SLOT_PADDED:  # (creates counted the PAD they left)
                 self.stats.pad_bytes += -job.slot_ride if job.slot_used else SLOT - job.slot_ride
-            for r in job.riders:  # in front of it in the log
-                self._apply_rider(r)
-            job.riders = []  # (each rider refers to its write: no cycle keeps the payload)
+            # its riders, in front of it in the log, then it: every row first (a rider's
+            # `later` may seal the segment, whose table must have this write's row too)
+            riders, job.riders = job.riders, []  # (no cycle keeps the payload alive)
+            seg = self.seg_id
+            done = [(r, self._rider_row(r)) for r in riders]
+            rec = None
             if job.rtype == RecType.PAD:
                 self.stats.pad_bytes += job.nbytes
             else:
@@ -728,8 +731,12 @@ class SegmentLog:
                 rec = self._appended(job.rtype, job.ino, job.offset, job.time_ns, job.seq,
                                      job.payload, job.payload_len, job.head, job.pos + job.lead,
                                      job.size)
+            for r, rrec in done:
+                assert r.later is not None
+                r.later(seg, rrec)
+            if rec is not None:
                 assert job.later is not None
-                job.later(self.seg_id, rec)
+                job.later(seg, rec)
             if job is upto:
                 return
 
@@ -956,7 +963,9 @@ class SegmentLog:
         self.stats.records_ahead += 1
         self.stats.records_in_slots += 1
         for r in riders:  # in front of it: applied first (the records before them are)
-            self._apply_rider(r)
+            rrec = self._rider_row(r)
+            assert r.later is not None
+            r.later(self.seg_id, rrec)
         return self.seg_id, self._appended(RecType.CREATE, ino, offset, now, seq, payload,
                                            len(payload), cparts[0], at + ride, size)
 
@@ -1032,15 +1041,14 @@ class SegmentLog:
         job.slot_seq = seq
         return rider
 
-    def _apply_rider(self, r: LogWrite) -> None:
-        """A rider's record is written (_fill_slot, or a create took it along): account and
-        apply it, in log order."""
+    def _rider_row(self, r: LogWrite) -> Record:
+        """A rider's record is written (_fill_slot, or a create took it along): account it,
+        in log order; its `later` applies it."""
         rec = self._appended(r.rtype, r.ino, r.offset, r.time_ns, r.seq, r.payload,
                              r.payload_len, r.head, r.pos, r.size)
         self.stats.records_riding += 1
         r.done = True
-        assert r.later is not None
-        r.later(self.seg_id, rec)
+        return rec
 
     async def settle(self, job: LogWrite) -> bool:
         """For the request whose record is `job`: wait (serving other requests meanwhile)

@@ -945,3 +945,50 @@ def test_a_deduplicated_write_waits_for_no_queue_on_the_trio_thread(
     assert ns2.read(ns2.lookup(ROOT_INO, b"new").ino, 0, 2 << 20) == fresh + same
     log2.close()
     index2.close()
+
+
+def test_a_seal_by_a_riders_row_keeps_the_write_it_rode_with_in_the_table(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment is sealed at MAX_SEAL_ROWS records: if applying a rider makes it full, the
+    seal comes in the middle of applying the rider and its write. The SEAL table must list
+    that write too (it lies before the SEAL in the segment), not leave it to the next
+    segment's table: a replay from the log alone then has both."""
+    from ckptfs import segment as fmt
+    index, log, ns = make(tmp_path, 64 << 20)
+    big = random.Random(37).randbytes(1 << 20)
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"big", 0o644, 0, 0).ino
+        g = ns.create(ROOT_INO, b"small", 0o644, 0, 0).ino
+        await log.sync()
+        rows = len(log.rows) // fmt.SEAL_ROW.size
+        log._pause()
+        ns.write(f, 0, big)
+        job = log.submitted
+        ns.write(g, 0, b"rider")
+        rider = log.submitted
+        assert job is not None and rider is not None and rider.owner is job
+        monkeypatch.setattr(fmt, "MAX_SEAL_ROWS", rows + 1)  # full with the rider's row
+        log._resume()
+        assert await log.settle(rider) is False and await log.settle(job) is False
+        assert log.stats.seals["size"] == 1
+        assert not log.rows  # (no row of the sealed segment's carried into the next one's)
+        monkeypatch.undo()
+        await log.sync()
+
+    trio.run(main)
+    log.token = None
+    path = log.path(log.existing()[0])
+    with open(path, "rb") as fh:
+        table = fmt.SealedSegment(path, os.path.getsize(path),
+                                  lambda o, n: os.pread(fh.fileno(), n, o)).rows
+    f = ns.lookup(ROOT_INO, b"big").ino
+    assert [row[2] for row in table if row[3] == f and row[1] == fmt.RecType.WRITE] == [1 << 20]
+    log.close()
+    index.close()
+    index2, log2, ns2 = reopen(tmp_path, 64 << 20)  # the log alone, sealed segment first
+    assert ns2.read(ns2.lookup(ROOT_INO, b"big").ino, 0, 1 << 20) == big
+    assert ns2.read(ns2.lookup(ROOT_INO, b"small").ino, 0, 10) == b"rider"
+    log2.close()
+    index2.close()
