@@ -903,6 +903,27 @@ class SegmentLog:
         return job is not None and job.slot_state in (SLOT_FREE, SLOT_TAKEN) and (
             SLOT - job.slot_used - job.slot_ride >= need + fmt.RECORD_HEADER_SIZE)
 
+    def _slot_for(self, size: int) -> tuple[LogWrite, int] | None:
+        """The slot a record of `size` bytes can go into now (_into_slot, _ride), and the
+        record's sequence number: the slot in front of the first queued write not written
+        yet (the writes before it are applied first, which may seal the segment or take
+        back a failed write), unless the writer has filled it, the record and the PAD after
+        it do not fit behind the slot's records, or no number is left between the slot's
+        last record's and that write's (SEQ_ROOM)."""
+        while self.queued and self.queued[0].done:
+            self._finish(self.queued[0])
+        if not self.queued or self.fd < 0:
+            return None
+        job = self._slot_after(0)
+        if job is None or job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
+            return None
+        gap = SLOT - job.slot_used - job.slot_ride - size
+        if gap < 0 or 0 < gap < fmt.RECORD_HEADER_SIZE:
+            return None
+        limit = next((j.seq for j in self.queued if j.rtype != RecType.PAD), 0)
+        seq = max(self._last_seq, limit - SEQ_ROOM, job.slot_seq) + 1
+        return (job, seq) if seq < limit else None
+
     def _into_slot(self, ino: int, offset: int, now: int, payload: bytes | memoryview,
                    size: int) -> tuple[int, Record] | None:
         """Write a CREATE record into the slot in front of the first queued write not written
@@ -918,27 +939,16 @@ class SegmentLog:
         the log; if that write fails, the tail goes back to just after the slot's records
         (_fail_queue). None if there is no such slot, the writer has filled it, or the
         record does not fit in what is left of it: ahead() or the queue then."""
-        if not CREATE_SLOTS:
+        found = self._slot_for(size) if CREATE_SLOTS else None
+        if found is None:
             return None
-        while self.queued and self.queued[0].done:
-            self._finish(self.queued[0])  # (which may seal the segment, or take back a fail)
-        if not self.queued or self.fd < 0:
-            return None
-        job = self._slot_after(0)
-        if job is None or job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
-            return None
+        job, seq = found
         used = job.slot_used
         ride = job.slot_ride
         gap = SLOT - used - ride - size
-        if gap < 0 or 0 < gap < fmt.RECORD_HEADER_SIZE:
-            return None
         if job.riders and len(self.rows) + (len(job.riders) + 1) * fmt.SEAL_ROW.size >= (
                 fmt.MAX_SEAL_ROWS * fmt.SEAL_ROW.size):
             return None  # (applying the riders must not seal the segment under the create)
-        limit = next((j.seq for j in self.queued if j.rtype != RecType.PAD), 0)
-        seq = max(self._last_seq, limit - SEQ_ROOM, job.slot_seq) + 1
-        if seq >= limit:
-            return None
         with self._gate:
             if job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
                 return None  # the writer has just written the PAD into it
@@ -1011,20 +1021,10 @@ class SegmentLog:
         record's, below that write's (SEQ_ROOM). None if there is no such slot, the writer
         has filled it already, or the record does not fit in what is left of it (the PAD
         after the slot's records must fit too): queued, then."""
-        while self.queued and self.queued[0].done:
-            self._finish(self.queued[0])  # (which may seal the segment, or take back a fail)
-        if not self.queued or self.fd < 0:
+        found = self._slot_for(size)
+        if found is None:
             return None
-        job = self._slot_after(0)
-        if job is None or job.slot_state not in (SLOT_FREE, SLOT_TAKEN):
-            return None
-        gap = SLOT - job.slot_used - job.slot_ride - size
-        if gap < 0 or 0 < gap < fmt.RECORD_HEADER_SIZE:
-            return None
-        limit = next((j.seq for j in self.queued if j.rtype != RecType.PAD), 0)
-        seq = max(self._last_seq, limit - SEQ_ROOM, job.slot_seq) + 1
-        if seq >= limit:
-            return None
+        job, seq = found
         parts = fmt.encode_record(rtype, ino, offset, now, seq, payload)
         rider = LogWrite(job.slot_fd, job.slot + job.slot_used + job.slot_ride, parts, size,
                          job.token, self._written)
