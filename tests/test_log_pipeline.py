@@ -543,7 +543,18 @@ def test_a_create_goes_into_the_log_ahead_of_the_writes_the_writer_has_not_start
     index2.close()
 
 
-KILLED_AHEAD = r"""
+def killed(body: str, tmp_path: Path) -> None:
+    """Run `body` (the inside of an async main() that ends in a SIGKILL of its own process)
+    in a fresh interpreter, with a log, index and namespace in tmp_path and trio's token set
+    for the log's writer thread."""
+    script = PROLOGUE + body + "\ntrio.run(main)\n"
+    tests = Path(__file__).parent
+    res = subprocess.run([os.sys.executable, "-c", script, str(tmp_path), str(tests)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == -9, res.stderr
+
+
+PROLOGUE = r"""
 import os, signal, sys, trio
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
@@ -554,7 +565,9 @@ index, log, ns = make(Path(sys.argv[1]), 64 << 20)
 
 async def main():
     log.token = trio.lowlevel.current_trio_token()
-    f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+"""
+
+KILLED_AHEAD = r"""    f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
     await log.sync()
     log._pause()
     for i in range(4):
@@ -568,8 +581,6 @@ async def main():
     assert (log.stats.records_in_slots, log.stats.records_ahead) == (2, 3), log.stats
     # the creates returned to the application: a SIGKILL must not lose them
     os.kill(os.getpid(), signal.SIGKILL)
-
-trio.run(main)
 """
 
 
@@ -577,10 +588,7 @@ def test_a_create_written_ahead_of_unwritten_writes_survives_a_sigkill(tmp_path:
     """The process dies with the create's record in the log and the writes it went ahead of
     never written (they were not acknowledged): replay keeps the create and stops at the end
     of what was written, with no corruption."""
-    tests = Path(__file__).parent
-    res = subprocess.run([os.sys.executable, "-c", KILLED_AHEAD, str(tmp_path), str(tests)],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == -9, res.stderr
+    killed(KILLED_AHEAD, tmp_path)
     index, log, ns = reopen(tmp_path, 64 << 20)
     assert ns.lookup(ROOT_INO, b"new") is not None
     assert ns.lookup(ROOT_INO, b"new2") is not None
@@ -804,18 +812,7 @@ def test_small_writes_ride_in_the_slot_of_the_first_write_not_written(tmp_path: 
     index2.close()
 
 
-KILLED_RIDING = r"""
-import os, signal, sys, trio
-sys.path.insert(0, sys.argv[2])
-from pathlib import Path
-from ckptfs.index import ROOT_INO
-from test_format import make
-
-index, log, ns = make(Path(sys.argv[1]), 64 << 20)
-
-async def main():
-    log.token = trio.lowlevel.current_trio_token()
-    f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
+KILLED_RIDING = r"""    f = ns.create(ROOT_INO, b"data", 0o644, 0, 0).ino
     g = ns.create(ROOT_INO, b"small", 0o644, 0, 0).ino
     await log.sync()
     log._pause()
@@ -831,8 +828,6 @@ async def main():
     # the create returned to the application: a SIGKILL must not lose it, nor the bytes
     # written in front of it
     os.kill(os.getpid(), signal.SIGKILL)
-
-trio.run(main)
 """
 
 
@@ -841,10 +836,7 @@ def test_a_create_that_takes_riders_along_survives_a_sigkill_with_them(tmp_path:
     own, in front of it: after a SIGKILL (the writes the slot belongs to never written) a
     replay has the create and those writes, not the rider that came after the create (it
     was never written, nor acknowledged), and nothing corrupt."""
-    tests = Path(__file__).parent
-    res = subprocess.run([os.sys.executable, "-c", KILLED_RIDING, str(tmp_path), str(tests)],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == -9, res.stderr
+    killed(KILLED_RIDING, tmp_path)
     index, log, ns = reopen(tmp_path, 64 << 20)
     assert ns.lookup(ROOT_INO, b"new") is not None
     g = ns.lookup(ROOT_INO, b"small").ino
