@@ -67,7 +67,8 @@ SLOT_FREE, SLOT_TAKEN, SLOT_PADDED, SLOT_BROKEN = 0, 1, 2, 3
 # rather than queueing it behind every queued write (CKPTFS_RIDERS=0: it queues)
 RIDERS = os.environ.get("CKPTFS_RIDERS", "1") != "0"
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
-QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 64 << 10, "bytes")
+# (as DIRECT_MIN: every record that goes through the page cache)
+QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 128 << 10, "bytes")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 # data records that may wait for the writer thread (append(later=...)): a REF (a write whose
 # bytes an earlier record holds) is as small as a rider, and would otherwise wait for the queue

@@ -984,3 +984,43 @@ def test_a_seal_by_a_riders_row_keeps_the_write_it_rode_with_in_the_table(
     assert ns2.read(ns2.lookup(ROOT_INO, b"small").ino, 0, 10) == b"rider"
     log2.close()
     index2.close()
+
+
+def test_a_record_that_goes_through_the_page_cache_is_written_at_once_when_nothing_is_queued(
+        tmp_path: Path) -> None:
+    """A data record under DIRECT_MIN goes through the page cache, a buffered `pwritev` of
+    microseconds: with nothing queued the trio thread writes and applies it itself, rather
+    than hand it to the writer thread and back (which cost one writer of 64 KiB `write()`s
+    a third of its speed: bench/README.md, 2026-12-07, night). Behind a queued write it
+    queues, so the log's order holds; a direct record is queued either way."""
+    index, log, ns = make(tmp_path, 64 << 20)
+    rnd = random.Random(5)
+    under = rnd.randbytes(logmod.DIRECT_MIN - 4096)  # (above the 64 KiB bound of before)
+    direct = rnd.randbytes(logmod.DIRECT_MIN)
+    assert logmod.DIRECT_MIN > len(under) > 64 << 10
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+        await log.sync()
+        ns.write(f, 0, under)
+        assert log.submitted is None and not log.queued  # written and applied at once
+        assert ns.inode(f).size == len(under)
+        ns.write(f, len(under), direct)
+        job = log.submitted
+        assert job is not None and job.stage >= 0  # a direct record: the writer thread's
+        ns.write(f, len(under) + len(direct), under)
+        behind = log.submitted
+        assert behind is not None and behind is not job and not behind.done  # queued behind
+        for j in (job, behind):
+            assert await log.settle(j) is False
+        assert ns.inode(f).size == 2 * len(under) + len(direct)
+        await log.sync()
+
+    trio.run(main)
+    log.close()
+    index.close()
+    index, log, ns = reopen(tmp_path, 64 << 20)  # (what the log alone says)
+    assert ns.read(index.lookup(ROOT_INO, b"f"), 0, 1 << 20) == under + direct + under
+    log.close()
+    index.close()
