@@ -69,6 +69,13 @@ RIDERS = os.environ.get("CKPTFS_RIDERS", "1") != "0"
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
 # (as DIRECT_MIN: every record that goes through the page cache)
 QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 128 << 10, "bytes")
+# One file written alone: after this many data records in a row for one file, with nothing
+# queued, its big records too are written by the trio thread through the page cache (a
+# buffered `pwritev`, ~0.2 ms a MiB) instead of by the writer thread with O_DIRECT (a hand-over
+# and ~0.7-1 ms a MiB), which one writer's next write() waits for. Not before 8-16 MiB in a
+# row: a storm's files of a few MiB are fsynced at once, and their direct writes are on the
+# disk by then (CKPTFS_SOLO_RUN=0: never)
+SOLO_RUN = knobs.number("CKPTFS_SOLO_RUN", 16, "records")
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 # data records that may wait for the writer thread (append(later=...)): a REF (a write whose
 # bytes an earlier record holds) is as small as a rider, and would otherwise wait for the queue
@@ -203,6 +210,7 @@ class LogStats:
     records_ahead: int = 0  # creates written ahead of queued data writes (SegmentLog.ahead)
     records_in_slots: int = 0  # of those, into the slot in front of one (SegmentLog._into_slot)
     records_riding: int = 0  # small data records written in such a slot (SegmentLog._ride)
+    records_alone: int = 0  # big data records of a file written alone, buffered (SOLO_RUN)
     # every reason ns.seal() is given, so that each is reported from the start
     seals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("size", "idle", "wait", "space", "recovery", "tier", "shutdown"), 0))
@@ -242,6 +250,9 @@ class SegmentLog:
         self._paused = False
         self._gate = threading.Condition(threading.Lock())
         self._last_seq = 0  # seq of the last record placed in the log, queued ones aside
+        # the file of the last data records and how many came in a row for it (SOLO_RUN)
+        self._solo_ino = 0
+        self._solo_run = 0
         self._writer: threading.Thread | None = None
         self.tail = 0
         self.seq = 0
@@ -383,6 +394,14 @@ class SegmentLog:
         n = len(payload)
         size = fmt.record_size(n)
         self.submitted = None
+        solo = False
+        if rtype in _LATER_TYPES:
+            if ino == self._solo_ino:
+                solo = (bool(SOLO_RUN) and self._solo_run >= SOLO_RUN and not self.queued
+                        and later is not None and self.token is not None)
+                self._solo_run += 1
+            else:
+                self._solo_ino, self._solo_run = ino, 1
         if (RIDERS and later is not None and self.token is not None
                 and rtype in _LATER_TYPES and self.queued and size < SLOT):
             rider = self._ride(rtype, ino, offset, now, payload, size, later)
@@ -390,7 +409,7 @@ class SegmentLog:
                 self.submitted = rider
                 return None
         if (later is not None and self.token is not None and rtype in _LATER_TYPES
-                and (self.queued or n >= QUEUE_MIN) and self._fits_queue(size)):
+                and (self.queued or n >= QUEUE_MIN) and not solo and self._fits_queue(size)):
             while self._queue_full(n):
                 self._finish(self.queued[0])  # the oldest: usually written already
             # finishing applied records, which may have sealed the segment (or taken back a
@@ -409,9 +428,10 @@ class SegmentLog:
             self._open_new()
         self.seq += 1
         placed = None
-        if self.dfd >= 0 and n >= self.direct_min and rtype in _DIRECT_TYPES:
+        if self.dfd >= 0 and n >= self.direct_min and rtype in _DIRECT_TYPES and not solo:
             placed = self._append_direct(rtype, ino, offset, now, payload, size)
         if placed is None:
+            self.stats.records_alone += solo and n >= self.direct_min
             parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
             placed = (parts[0], self.tail)
             self._pwritev(parts, size)

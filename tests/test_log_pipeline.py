@@ -1024,3 +1024,53 @@ def test_a_record_that_goes_through_the_page_cache_is_written_at_once_when_nothi
     assert ns.read(index.lookup(ROOT_INO, b"f"), 0, 1 << 20) == under + direct + under
     log.close()
     index.close()
+
+
+def test_one_file_written_alone_goes_through_the_page_cache_on_the_trio_thread(
+        tmp_path: Path) -> None:
+    """After SOLO_RUN data records in a row for one file, with nothing queued, the file's big
+    records are written by the trio thread through the page cache (a buffered `pwritev`)
+    rather than handed to the writer thread for an O_DIRECT write: one writer waits for each
+    of its write()s, and the hand-over and the direct write cost it a third of its speed
+    (bench/README.md, 2026-12-07, night). A write to another file in between ends the run:
+    ranks writing at once stay on the writer thread. Replay reads the same bytes back."""
+    index, log, ns = make(tmp_path, 64 << 20)
+    rnd = random.Random(9)
+    big = [rnd.randbytes(1 << 20) for _ in range(logmod.SOLO_RUN + 4)]  # (none repeats)
+    assert logmod.SOLO_RUN >= 1
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+        g = ns.create(ROOT_INO, b"g", 0o644, 0, 0).ino
+        await log.sync()
+
+        async def write(ino: int, off: int, data: bytes) -> bool:
+            """True if written and applied at once (not queued)."""
+            ns.write(ino, off, data)
+            job = log.submitted
+            if job is None:
+                return True
+            assert await log.settle(job) is False
+            return False
+
+        direct = log.stats.direct_records
+        got = [await write(f, i << 20, d) for i, d in enumerate(big[:logmod.SOLO_RUN + 2])]
+        # the first SOLO_RUN go the direct way; from then on, at once through the page cache
+        assert got == [False] * logmod.SOLO_RUN + [True, True]
+        assert log.stats.direct_records == direct + logmod.SOLO_RUN
+        # another file's write in between: the run starts again
+        assert await write(g, 0, big[-2]) is False
+        assert await write(f, len(got) << 20, big[-1]) is False
+        await log.sync()
+        assert ns.inode(f).size == (len(got) + 1) << 20
+
+    trio.run(main)
+    log.close()
+    index.close()
+    index, log, ns = reopen(tmp_path, 64 << 20)  # (what the log alone says)
+    f = index.lookup(ROOT_INO, b"f")
+    assert ns.read(f, 0, (logmod.SOLO_RUN + 4) << 20) == \
+        b"".join(big[:logmod.SOLO_RUN + 2]) + big[-1]
+    log.close()
+    index.close()

@@ -23,6 +23,7 @@ What they check is the promise (docs/architecture.md, section 11):
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -211,11 +212,17 @@ def test_fsynced_files_survive_power_loss_of_the_node(
     write_file(synced / "renamed.tmp", want["renamed"], fsync=True)
     os.rename(synced / "renamed.tmp", synced / "renamed")
     fsync_dir(synced)
+    # one file written alone, long enough that its big records go through the page cache
+    # (SOLO_RUN): its fsync must flush them
+    want["alone"] = content(103, (24 << 20) + 5)
+    write_file(synced / "alone", want["alone"], fsync=True)
     # written after the last fsync, never fsync'd: may be lost, never wrong
     maybe: dict[str, bytes] = {}
-    for i, size in enumerate(SIZES[1:], 200):
+    for i, size in enumerate([*SIZES[1:], 20 << 20], 200):
         maybe[f"u{i}"] = content(i, size)
         write_file(unsynced / f"u{i}", maybe[f"u{i}"], fsync=False)
+    status = json.loads(run_cli("status", m.mnt, "--json").out)
+    assert status["log_records_alone"] >= 16, status["log_records_alone"]
 
     write_canary(nvme_fs)
     m.kill()  # the node loses power: the daemon dies with it...
