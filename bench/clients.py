@@ -11,7 +11,9 @@ the disk that holds NVME (the physical limit), alternating rounds in one run:
 - torch: torch.save of the same state dict to one file, then os.fsync.
 
 Each round saves a new step of every client into the mount and into the plain directory, in
-turns (the order flips every round), and drops the page cache before each save. SHARED is a
+turns (the order flips every round), and drops the page cache before each save. Each step's
+weights are new (every value moved, as a training step does): a save that repeated the
+last one's bytes would be stored by ckptfs as references to them. SHARED is a
 local directory: the drain runs during the rounds as it does during training. Prints seconds
 per save and the ratio ckptfs / plain directory (the median of the rounds); a client whose
 library is missing is skipped. Needs root (drop_caches) and `/dev/fuse`.
@@ -48,8 +50,13 @@ def orbax_client(gib: float) -> Callable[[Path, int], dict[str, float]] | None:
     state = {f"a{i}": jax.numpy.asarray(rng.standard_normal(CHUNK // 4, dtype=np.float32))
              for i in range(max(1, int(gib * (1 << 30)) // CHUNK))}
     managers: dict[Path, Any] = {}
+    last = [0]
 
     def save(d: Path, step: int) -> dict[str, float]:
+        nonlocal state
+        if step != last[0]:  # a training step: new weights (no save repeats the last one's)
+            state = {k: (v + 1.0).block_until_ready() for k, v in state.items()}
+            last[0] = step
         mgr = managers.get(d)
         if mgr is None:
             opts = ocp.CheckpointManagerOptions(max_to_keep=2, step_prefix="step")
@@ -74,13 +81,24 @@ def _torch_state(gib: float) -> Any:
             for i in range(max(1, int(gib * (1 << 30)) // CHUNK))}
 
 
+def _train_step(state: Any, step: int, last: list[int]) -> None:
+    """New weights for a new step, in place: a save never repeats the last one's bytes (which
+    ckptfs would store as references to them, and so flatter itself)."""
+    if step != last[0]:
+        for t in state.values():
+            t.add_(1.0)
+        last[0] = step
+
+
 def dcp_client(gib: float) -> Callable[[Path, int], dict[str, float]] | None:
     state = _torch_state(gib)
     if state is None:
         return None
     import torch.distributed.checkpoint as dcp
+    last = [0]
 
     def save(d: Path, step: int) -> dict[str, float]:
+        _train_step(state, step, last)
         t0 = time.perf_counter()
         dcp.save(state, checkpoint_id=str(d / "dcp" / f"step_{step}"))
         return {"saved": time.perf_counter() - t0}
@@ -93,8 +111,10 @@ def torch_client(gib: float) -> Callable[[Path, int], dict[str, float]] | None:
     if state is None:
         return None
     import torch
+    last = [0]
 
     def save(d: Path, step: int) -> dict[str, float]:
+        _train_step(state, step, last)
         path = d / "torch" / f"step_{step}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
