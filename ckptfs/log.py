@@ -76,6 +76,25 @@ QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 128 << 10, "bytes")
 # row: a storm's files of a few MiB are fsynced at once, and their direct writes are on the
 # disk by then (CKPTFS_SOLO_RUN=0: never)
 SOLO_RUN = knobs.number("CKPTFS_SOLO_RUN", 16, "records")
+SOLO_KICK = 8 << 20  # bytes of them after which their writeback is started (_alone)
+# none while the machine's dirty pages and pages being written out pass this (then for
+# SOLO_PAUSE seconds): the disk is behind, and the kernel would make the trio thread wait
+SOLO_BACKLOG = 64 << 20
+SOLO_PAUSE = 0.1
+
+
+def _writeback_backlog() -> int:
+    """Bytes of dirty pages and pages being written out, the whole machine's (0 unknown)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = f.read()
+    except OSError:
+        return 0
+    total = 0
+    for line in info.splitlines():
+        if line.startswith((b"Dirty:", b"Writeback:")):
+            total += int(line.split()[1]) << 10
+    return total
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 # data records that may wait for the writer thread (append(later=...)): a REF (a write whose
 # bytes an earlier record holds) is as small as a rider, and would otherwise wait for the queue
@@ -253,6 +272,8 @@ class SegmentLog:
         # the file of the last data records and how many came in a row for it (SOLO_RUN)
         self._solo_ino = 0
         self._solo_run = 0
+        self._solo_dirty = 0  # bytes of such records whose writeback was not started (_alone)
+        self._solo_pause_until = 0.0  # (monotonic) no such record before then (_alone)
         self._writer: threading.Thread | None = None
         self.tail = 0
         self.seq = 0
@@ -307,6 +328,7 @@ class SegmentLog:
             raise
         self.fd, self.seg_id = fd, seg_id
         self.tail = fmt.SEGMENT_HEADER_SIZE
+        self._solo_dirty = 0
         self._open_direct(path)
         self.rows = bytearray()
         self._dir_dirty = True  # the new name must reach the disk before an fsync returns
@@ -398,7 +420,8 @@ class SegmentLog:
         if rtype in _LATER_TYPES:
             if ino == self._solo_ino:
                 solo = (bool(SOLO_RUN) and self._solo_run >= SOLO_RUN and not self.queued
-                        and later is not None and self.token is not None)
+                        and later is not None and self.token is not None
+                        and time.monotonic() >= self._solo_pause_until)
                 self._solo_run += 1
             else:
                 self._solo_ino, self._solo_run = ino, 1
@@ -431,13 +454,35 @@ class SegmentLog:
         if self.dfd >= 0 and n >= self.direct_min and rtype in _DIRECT_TYPES and not solo:
             placed = self._append_direct(rtype, ino, offset, now, payload, size)
         if placed is None:
-            self.stats.records_alone += solo and n >= self.direct_min
             parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
             placed = (parts[0], self.tail)
             self._pwritev(parts, size)
+            if solo and n >= self.direct_min:
+                self._alone(size)
         head, pos = placed
         return self.seg_id, self._appended(rtype, ino, offset, now, self.seq, payload, n, head,
                                            pos, size)
+
+    def _alone(self, size: int) -> None:
+        """After a big record of a file written alone went through the page cache: every
+        SOLO_KICK bytes of them, the kernel is asked to start writing them out now
+        (`POSIX_FADV_DONTNEED` starts the writeback of a range's dirty pages without waiting
+        for it). Left to the kernel's own flushing, a long write piled up dirty pages until
+        it throttled the trio thread, and every request with it."""
+        self.stats.records_alone += 1
+        self._solo_dirty += size
+        if self._solo_dirty >= SOLO_KICK:
+            try:
+                os.posix_fadvise(self.fd, self.tail - self._solo_dirty, self._solo_dirty,
+                                 os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass  # (only advice: the next flush writes them in any case)
+            self._solo_dirty = 0
+            if _writeback_backlog() > SOLO_BACKLOG:
+                # the disk is behind: a buffered write could wait for it on the trio thread
+                # (the kernel throttles whoever dirties pages), holding every request up;
+                # the writer thread's direct writes take over for a while
+                self._solo_pause_until = time.monotonic() + SOLO_PAUSE
 
     def _appended(self, rtype: int, ino: int, offset: int, now: int, seq: int,
                   payload: bytes | memoryview, length: int, head: bytes, pos: int,

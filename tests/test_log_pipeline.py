@@ -1074,3 +1074,41 @@ def test_one_file_written_alone_goes_through_the_page_cache_on_the_trio_thread(
         b"".join(big[:logmod.SOLO_RUN + 2]) + big[-1]
     log.close()
     index.close()
+
+
+@pytest.mark.parametrize("backlog", [0, 1 << 40])
+def test_a_file_written_alone_goes_back_to_the_writer_thread_while_the_disk_is_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backlog: int) -> None:
+    """Every SOLO_KICK bytes of a lone file's buffered records, their writeback is started
+    and the machine's writeback backlog looked at: past SOLO_BACKLOG the kernel would make
+    the trio thread wait for the disk (every request with it), so the next records go to the
+    writer thread for SOLO_PAUSE seconds. 6 GiB written alone with a probe of the mount:
+    probe max 113-141 ms without this, 14-15 ms with it (bench/README.md, 2026-12-07,
+    night)."""
+    monkeypatch.setattr(logmod, "_writeback_backlog", lambda: backlog)
+    monkeypatch.setattr(logmod, "SOLO_PAUSE", 3600.0)
+    index, log, ns = make(tmp_path, 256 << 20)
+    rnd = random.Random(11)
+    run, kick = logmod.SOLO_RUN, logmod.SOLO_KICK >> 20
+    n = run + kick + 4
+
+    async def main() -> list[bool]:
+        log.token = trio.lowlevel.current_trio_token()
+        f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+        await log.sync()
+        alone = []
+        for i in range(n):
+            ns.write(f, i << 20, rnd.randbytes(1 << 20))
+            job = log.submitted
+            alone.append(job is None)
+            if job is not None:
+                assert await log.settle(job) is False
+        await log.sync()
+        return alone
+
+    alone = trio.run(main)
+    want = kick if backlog else n - run  # (the kick comes after the kick-th such record)
+    assert alone == [False] * run + [True] * want + [False] * (n - run - want)
+    assert log.stats.records_alone == want
+    log.close()
+    index.close()

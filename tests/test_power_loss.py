@@ -222,7 +222,7 @@ def test_fsynced_files_survive_power_loss_of_the_node(
         maybe[f"u{i}"] = content(i, size)
         write_file(unsynced / f"u{i}", maybe[f"u{i}"], fsync=False)
     status = json.loads(run_cli("status", m.mnt, "--json").out)
-    assert status["log_records_alone"] >= 16, status["log_records_alone"]
+    assert status["log_records_alone"] >= 4, status["log_records_alone"]
 
     write_canary(nvme_fs)
     m.kill()  # the node loses power: the daemon dies with it...
