@@ -77,10 +77,20 @@ QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 128 << 10, "bytes")
 # disk by then (CKPTFS_SOLO_RUN=0: never)
 SOLO_RUN = knobs.number("CKPTFS_SOLO_RUN", 16, "records")
 SOLO_KICK = 8 << 20  # bytes of them after which their writeback is started (_alone)
-# none while the machine's dirty pages and pages being written out pass this (then for
-# SOLO_PAUSE seconds): the disk is behind, and the kernel would make the trio thread wait
-SOLO_BACKLOG = 64 << 20
+# none for SOLO_PAUSE seconds once the machine's dirty pages and pages being written out
+# pass this (looked at every SOLO_KICK bytes): the disk is behind, and the kernel would
+# make the trio thread wait for it, every request with it
+SOLO_BACKLOG = knobs.number("CKPTFS_SOLO_BACKLOG", 256 << 20, "bytes")
 SOLO_PAUSE = 0.1
+
+_DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
+# data records that may wait for the writer thread (append(later=...)): a REF (a write whose
+# bytes an earlier record holds) is as small as a rider, and would otherwise wait for the queue
+_LATER_TYPES = _DIRECT_TYPES | {RecType.REF}
+# a direct record's payload this big is written from where it lies in memory, not copied
+# (CKPTFS_ZERO_COPY=0: always copied into the staging buffer)
+ZERO_COPY_MIN = 64 << 10 if os.environ.get("CKPTFS_ZERO_COPY", "1") != "0" else 0
+_STAGE_TAIL = 3 * ALIGN  # where a zero-copy record's end is staged (its start goes below)
 
 
 def _writeback_backlog() -> int:
@@ -95,14 +105,6 @@ def _writeback_backlog() -> int:
         if line.startswith((b"Dirty:", b"Writeback:")):
             total += int(line.split()[1]) << 10
     return total
-_DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
-# data records that may wait for the writer thread (append(later=...)): a REF (a write whose
-# bytes an earlier record holds) is as small as a rider, and would otherwise wait for the queue
-_LATER_TYPES = _DIRECT_TYPES | {RecType.REF}
-# a direct record's payload this big is written from where it lies in memory, not copied
-# (CKPTFS_ZERO_COPY=0: always copied into the staging buffer)
-ZERO_COPY_MIN = 64 << 10 if os.environ.get("CKPTFS_ZERO_COPY", "1") != "0" else 0
-_STAGE_TAIL = 3 * ALIGN  # where a zero-copy record's end is staged (its start goes below)
 
 
 def _bytes_data_offset() -> int | None:
