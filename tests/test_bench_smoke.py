@@ -155,3 +155,19 @@ def test_fusetrace_times_each_create_of_a_storm_and_leaves_tracing_as_it_was(
     assert "the directory's chain:" in res.stdout and "LOOKUP queued" in res.stdout, res.stdout
     assert after == before and send_filter == "none"
     assert list(tmp_path.iterdir()) == [], "the work directory was not emptied"
+
+
+def test_alone_bench_runs_and_reports_each_target(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "bench.alone", "--gib", "0.03125", "--rounds",
+                          "1", "--workdir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): [c.split()[0] for c in line.split("|")[2:-1]]
+            for line in res.stdout.splitlines() if line.startswith("| ") and "target" not in line}
+    assert set(rows) == {"ckptfs", "ckptfs, SOLO_RUN=0", "plain directory"}, res.stdout
+    for cells in rows.values():
+        assert len(cells) == 7 and float(cells[0]) > 0 and float(cells[4]) > 0, res.stdout
+    # 32 MiB: the run of 16 records, then the rest through the page cache; none with the knob
+    assert float(rows["ckptfs"][6]) > 0 and float(rows["ckptfs, SOLO_RUN=0"][6]) == 0
+    assert rows["plain directory"][6] == "-"
+    assert list(tmp_path.iterdir()) == [], "the work directory was not removed"
