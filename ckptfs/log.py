@@ -459,7 +459,7 @@ class SegmentLog:
             parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
             placed = (parts[0], self.tail)
             self._pwritev(parts, size)
-            if solo and n >= self.direct_min:
+            if solo and n >= QUEUE_MIN:  # (one the writer thread would have written)
                 self._alone(size)
         head, pos = placed
         return self.seg_id, self._appended(rtype, ino, offset, now, self.seq, payload, n, head,
