@@ -3,15 +3,15 @@ probe of the mount meanwhile:
 
     python -m bench.alone [--gib 2] [--rounds 2] [--workdir DIR]
 
-In turns, each round: ckptfs as it is; ckptfs with `CKPTFS_SOLO_RUN=0` (every big record
-written by the log's writer thread with O_DIRECT, as before 2026-12-07, night); and a plain
+In turns, each round: ckptfs as it is; ckptfs with `CKPTFS_BUFFERED_WRITES=0` (every big
+record written by the log's writer thread with O_DIRECT, as before 2026-12-07); and a plain
 directory on the disk that holds NVME. The writer is a process of its own that writes
 `--gib` GiB of fresh bytes in 1 MiB `write()`s from a page-aligned buffer, then fsyncs. The
 probe, in this process, `stat`s and lists the target every 10 ms and times each: what other
 processes see while the writer has the request thread to itself (architecture.md section 2,
-"One file written alone"). "records alone" is how many of the file's records went through
-the page cache (`ckptfs status`). SHARED is a local directory. Needs root (drop_caches) and
-`/dev/fuse`.
+"Big records through the page cache"). "records buffered" is how many of the file's records
+went through the page cache (`ckptfs status`). SHARED is a local directory. Needs root
+(drop_caches) and `/dev/fuse`.
 """
 
 from __future__ import annotations
@@ -100,37 +100,39 @@ def main() -> int:
         ap.error("--gib must be above 0 and --rounds at least 1")
     mib = max(1, int(a.gib * 1024))
     work = Path(tempfile.mkdtemp(prefix="ckptfs-alone-", dir=a.workdir))
-    targets = {"ckptfs": "", "ckptfs, SOLO_RUN=0": "0", "plain directory": None}
+    knob = "CKPTFS_BUFFERED_WRITES"
+    targets = {"ckptfs": "", "ckptfs, BUFFERED_WRITES=0": "0", "plain directory": None}
     res: dict[str, list[dict[str, float]]] = {t: [] for t in targets}
-    saved = os.environ.get("CKPTFS_SOLO_RUN")
+    saved = os.environ.get(knob)
     try:
         for rnd in range(a.rounds):
             order = list(targets) if rnd % 2 == 0 else list(targets)[::-1]
             for name in order:
-                solo = targets[name]
-                if solo is None:
+                value = targets[name]
+                if value is None:
                     plain = work / "plain"
                     plain.mkdir(exist_ok=True)
                     res[name].append(run_one(plain, mib))
                     continue
-                os.environ.pop("CKPTFS_SOLO_RUN", None)
-                if solo:
-                    os.environ["CKPTFS_SOLO_RUN"] = solo  # (the daemon's environment)
-                d = work / f"m{rnd}-{len(res[name])}-{solo or 'default'}"
+                os.environ.pop(knob, None)
+                if value:
+                    os.environ[knob] = value  # (the daemon's environment)
+                d = work / f"m{rnd}-{len(res[name])}-{value or 'default'}"
                 (d / "shared").mkdir(parents=True)
                 with CkptfsMount(d / "nvme", d / "shared", d / "mnt", [], d / "ckptfs.log") as m:
                     row = run_one(m.mountpoint, mib)
-                    row["records alone"] = float(_status(m.mountpoint)["log_records_alone"])
+                    row["records buffered"] = float(
+                        _status(m.mountpoint)["log_records_buffered"])
                     res[name].append(row)
                 shutil.rmtree(d, ignore_errors=True)
     finally:
-        os.environ.pop("CKPTFS_SOLO_RUN", None)
+        os.environ.pop(knob, None)
         if saved is not None:
-            os.environ["CKPTFS_SOLO_RUN"] = saved
+            os.environ[knob] = saved
         shutil.rmtree(work, ignore_errors=True)
     print(f"\none writer, {mib} MiB in 1 MiB write()s then fsync, {a.rounds} rounds "
           "(the median of the rounds; every round in brackets)")
-    keys = list(res["ckptfs"][0])  # (the plain directory has no "records alone")
+    keys = list(res["ckptfs"][0])  # (the plain directory has no "records buffered")
     print("| target | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     for name, rows in res.items():

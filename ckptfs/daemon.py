@@ -915,7 +915,7 @@ class Daemon:
             "log_pad_bytes": st.pad_bytes, "log_records_ahead": st.records_ahead,
             "log_records_in_slots": st.records_in_slots,
             "log_records_riding": st.records_riding,
-            "log_records_alone": st.records_alone,
+            "log_records_buffered": st.records_buffered,
             "log_queued": len(self.seglog.queued),
             "seals": st.seals, "segments": by_state, "active_segment_bytes": self.seglog.tail
             if self.seglog.fd >= 0 else 0,

@@ -5,17 +5,16 @@ cache, or on the device) it survives a SIGKILL of the daemon, which is the first
 promise. fsync() is the second half: `sync()` makes every record appended so far durable with
 one fdatasync per segment touched, shared by every caller waiting at the same time (group commit).
 
-Big data records (DIRECT_MIN and up) bypass the page cache: written with O_DIRECT, starting and
-ending on a 4 KiB boundary (PAD records fill the gaps; docs/format.md). Copying checkpoint bytes
-into fresh page cache pages cost this one thread more CPU than everything else on the write
-path together, and the fdatasync behind an fsync() then had nothing left to write back. The
-payload's block-aligned middle goes to the device straight from the request's `bytes`; only
-its ends, the header and the PADs are copied, into a reused aligned staging buffer (the record
-is placed so that its payload has the same offset within a device block in the file as in
-memory).
-Small records stay buffered: an O_DIRECT write waits for the device, which a create or a 4 KiB
-append should not. Filesystems that refuse O_DIRECT (tmpfs, some network filesystems) get
-buffered appends only.
+Data records of a request that can wait for its reply go through the page cache too, written
+by the trio thread (~0.2 ms a MiB), with their writeback started every few MiB so that an
+fsync() finds little left to write (BUFFERED). While the machine's writeback backlog shows the
+disk is behind, and with CKPTFS_BUFFERED_WRITES=0 always, big ones (DIRECT_MIN and up) are
+queued for a writer thread instead, which writes them with O_DIRECT, starting and ending on a
+4 KiB boundary (PAD records fill the gaps; docs/format.md): the payload's block-aligned middle
+goes to the device straight from the request's `bytes`; only its ends, the header and the PADs
+are copied, into a reused aligned staging buffer (the record is placed so that its payload has
+the same offset within a device block in the file as in memory). Filesystems that refuse
+O_DIRECT (tmpfs, some network filesystems) get buffered appends only.
 """
 
 from __future__ import annotations
@@ -69,19 +68,20 @@ RIDERS = os.environ.get("CKPTFS_RIDERS", "1") != "0"
 # a data record smaller than this, with nothing queued, is written by the trio thread itself
 # (as DIRECT_MIN: every record that goes through the page cache)
 QUEUE_MIN = knobs.number("CKPTFS_QUEUE_MIN", 128 << 10, "bytes")
-# One file written alone: after this many data records in a row for one file, with nothing
-# queued, its big records too are written by the trio thread through the page cache (a
-# buffered `pwritev`, ~0.2 ms a MiB) instead of by the writer thread with O_DIRECT (a hand-over
-# and ~0.7-1 ms a MiB), which one writer's next write() waits for. Not before 8-16 MiB in a
-# row: a storm's files of a few MiB are fsynced at once, and their direct writes are on the
-# disk by then (CKPTFS_SOLO_RUN=0: never)
-SOLO_RUN = knobs.number("CKPTFS_SOLO_RUN", 16, "records")
-SOLO_KICK = 8 << 20  # bytes of them after which their writeback is started (_alone)
-# none for SOLO_PAUSE seconds once the machine's dirty pages and pages being written out
-# pass this (looked at every SOLO_KICK bytes): the disk is behind, and the kernel would
-# make the trio thread wait for it, every request with it
-SOLO_BACKLOG = knobs.number("CKPTFS_SOLO_BACKLOG", 256 << 20, "bytes")
-SOLO_PAUSE = 0.1
+# Big data records of a request that can wait, with nothing queued, are written by the trio
+# thread through the page cache (a buffered `pwritev`, ~0.2 ms a MiB) rather than handed to
+# the writer thread for an O_DIRECT write (~0.7-1 ms a MiB, one at a time, holding ext4's
+# inode lock, which every create and small append then waits for). A storm of 10,000 files
+# from 8 ranks saved in 8.6-9.2 s this way against 11.3-14.0 s (architecture.md section 2).
+# CKPTFS_BUFFERED_WRITES=0: they always go to the writer thread.
+BUFFERED = os.environ.get("CKPTFS_BUFFERED_WRITES", "1") != "0"
+KICK = 8 << 20  # bytes appended after which their writeback is started (_kick)
+# no such record for DIRECT_PAUSE seconds once the machine's dirty pages and pages being
+# written out pass this (looked at every KICK bytes): the disk is behind, and the kernel
+# would make the trio thread wait for it, every request with it; the writer thread's direct
+# writes wait instead
+WRITEBACK_BACKLOG = knobs.number("CKPTFS_WRITEBACK_BACKLOG", 256 << 20, "bytes")
+DIRECT_PAUSE = 0.1
 
 _DIRECT_TYPES = frozenset({RecType.WRITE, RecType.RELOC})
 # data records that may wait for the writer thread (append(later=...)): a REF (a write whose
@@ -231,7 +231,7 @@ class LogStats:
     records_ahead: int = 0  # creates written ahead of queued data writes (SegmentLog.ahead)
     records_in_slots: int = 0  # of those, into the slot in front of one (SegmentLog._into_slot)
     records_riding: int = 0  # small data records written in such a slot (SegmentLog._ride)
-    records_alone: int = 0  # big data records of a file written alone, buffered (SOLO_RUN)
+    records_buffered: int = 0  # big data records the trio thread wrote buffered (BUFFERED)
     # every reason ns.seal() is given, so that each is reported from the start
     seals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("size", "idle", "wait", "space", "recovery", "tier", "shutdown"), 0))
@@ -271,11 +271,8 @@ class SegmentLog:
         self._paused = False
         self._gate = threading.Condition(threading.Lock())
         self._last_seq = 0  # seq of the last record placed in the log, queued ones aside
-        # the file of the last data records and how many came in a row for it (SOLO_RUN)
-        self._solo_ino = 0
-        self._solo_run = 0
-        self._solo_dirty = 0  # bytes of such records whose writeback was not started (_alone)
-        self._solo_pause_until = 0.0  # (monotonic) no such record before then (_alone)
+        self._kick_from = 0  # where the active segment's unstarted writeback begins (_kick)
+        self._direct_until = 0.0  # (monotonic) no BUFFERED big record before then (_kick)
         self._writer: threading.Thread | None = None
         self.tail = 0
         self.seq = 0
@@ -329,8 +326,7 @@ class SegmentLog:
                 pass
             raise
         self.fd, self.seg_id = fd, seg_id
-        self.tail = fmt.SEGMENT_HEADER_SIZE
-        self._solo_dirty = 0
+        self.tail = self._kick_from = fmt.SEGMENT_HEADER_SIZE
         self._open_direct(path)
         self.rows = bytearray()
         self._dir_dirty = True  # the new name must reach the disk before an fsync returns
@@ -418,15 +414,11 @@ class SegmentLog:
         n = len(payload)
         size = fmt.record_size(n)
         self.submitted = None
-        solo = False
-        if rtype in _LATER_TYPES:
-            if ino == self._solo_ino:
-                solo = (bool(SOLO_RUN) and self._solo_run >= SOLO_RUN and not self.queued
-                        and later is not None and self.token is not None
-                        and time.monotonic() >= self._solo_pause_until)
-                self._solo_run += 1
-            else:
-                self._solo_ino, self._solo_run = ino, 1
+        # through the page cache, by this thread (BUFFERED); never past queued writes, which
+        # would leave it acknowledged behind records not written yet
+        buffered = (later is not None and rtype in _LATER_TYPES and not self.queued
+                    and self.token is not None and BUFFERED
+                    and (n < QUEUE_MIN or time.monotonic() >= self._direct_until))
         if (RIDERS and later is not None and self.token is not None
                 and rtype in _LATER_TYPES and self.queued and size < SLOT):
             rider = self._ride(rtype, ino, offset, now, payload, size, later)
@@ -434,7 +426,7 @@ class SegmentLog:
                 self.submitted = rider
                 return None
         if (later is not None and self.token is not None and rtype in _LATER_TYPES
-                and (self.queued or n >= QUEUE_MIN) and not solo and self._fits_queue(size)):
+                and (self.queued or n >= QUEUE_MIN) and not buffered and self._fits_queue(size)):
             while self._queue_full(n):
                 self._finish(self.queued[0])  # the oldest: usually written already
             # finishing applied records, which may have sealed the segment (or taken back a
@@ -453,38 +445,40 @@ class SegmentLog:
             self._open_new()
         self.seq += 1
         placed = None
-        if self.dfd >= 0 and n >= self.direct_min and rtype in _DIRECT_TYPES and not solo:
+        if self.dfd >= 0 and n >= self.direct_min and rtype in _DIRECT_TYPES and not buffered:
             placed = self._append_direct(rtype, ino, offset, now, payload, size)
         if placed is None:
             parts = fmt.encode_record(rtype, ino, offset, now, self.seq, payload)
             placed = (parts[0], self.tail)
             self._pwritev(parts, size)
-            if solo and n >= QUEUE_MIN:  # (one the writer thread would have written)
-                self._alone(size)
+            if buffered:
+                self._kick(n)
         head, pos = placed
         return self.seg_id, self._appended(rtype, ino, offset, now, self.seq, payload, n, head,
                                            pos, size)
 
-    def _alone(self, size: int) -> None:
-        """After a big record of a file written alone went through the page cache: every
-        SOLO_KICK bytes of them, the kernel is asked to start writing them out now
+    def _kick(self, n: int) -> None:
+        """After a data record went through the page cache on the trio thread: every KICK
+        bytes appended, the kernel is asked to start writing them out now
         (`POSIX_FADV_DONTNEED` starts the writeback of a range's dirty pages without waiting
-        for it). Left to the kernel's own flushing, a long write piled up dirty pages until
-        it throttled the trio thread, and every request with it."""
-        self.stats.records_alone += 1
-        self._solo_dirty += size
-        if self._solo_dirty >= SOLO_KICK:
-            try:
-                os.posix_fadvise(self.fd, self.tail - self._solo_dirty, self._solo_dirty,
-                                 os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass  # (only advice: the next flush writes them in any case)
-            self._solo_dirty = 0
-            if _writeback_backlog() > SOLO_BACKLOG:
-                # the disk is behind: a buffered write could wait for it on the trio thread
-                # (the kernel throttles whoever dirties pages), holding every request up;
-                # the writer thread's direct writes take over for a while
-                self._solo_pause_until = time.monotonic() + SOLO_PAUSE
+        for it), and the machine's writeback backlog is looked at. Left to the kernel's own
+        flushing, a long write piled up dirty pages until it throttled the trio thread, and
+        every request with it; and an fsync() then had all of them to write."""
+        if n >= QUEUE_MIN:  # (one the writer thread would have written with O_DIRECT)
+            self.stats.records_buffered += 1
+        if self.tail - self._kick_from < KICK:
+            return
+        try:
+            os.posix_fadvise(self.fd, self._kick_from, self.tail - self._kick_from,
+                             os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # (only advice: the next flush writes them in any case)
+        self._kick_from = self.tail
+        if _writeback_backlog() > WRITEBACK_BACKLOG:
+            # the disk is behind: a buffered write could wait for it on the trio thread (the
+            # kernel throttles whoever dirties pages), holding every request up; the writer
+            # thread's direct writes take over for a while
+            self._direct_until = time.monotonic() + DIRECT_PAUSE
 
     def _appended(self, rtype: int, ino: int, offset: int, now: int, seq: int,
                   payload: bytes | memoryview, length: int, head: bytes, pos: int,

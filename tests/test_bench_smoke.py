@@ -164,10 +164,11 @@ def test_alone_bench_runs_and_reports_each_target(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     rows = {line.split("|")[1].strip(): [c.split()[0] for c in line.split("|")[2:-1]]
             for line in res.stdout.splitlines() if line.startswith("| ") and "target" not in line}
-    assert set(rows) == {"ckptfs", "ckptfs, SOLO_RUN=0", "plain directory"}, res.stdout
+    assert set(rows) == {"ckptfs", "ckptfs, BUFFERED_WRITES=0", "plain directory"}, res.stdout
     for cells in rows.values():
         assert len(cells) == 7 and float(cells[0]) > 0 and float(cells[4]) > 0, res.stdout
-    # 32 MiB: the run of 16 records, then the rest through the page cache; none with the knob
-    assert float(rows["ckptfs"][6]) > 0 and float(rows["ckptfs, SOLO_RUN=0"][6]) == 0
+    # 32 MiB: through the page cache (a backlog the other targets left may send a few to
+    # the writer thread); none with the knob
+    assert float(rows["ckptfs"][6]) >= 16 and float(rows["ckptfs, BUFFERED_WRITES=0"][6]) == 0
     assert rows["plain directory"][6] == "-"
     assert list(tmp_path.iterdir()) == [], "the work directory was not removed"

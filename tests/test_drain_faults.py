@@ -568,8 +568,10 @@ def test_the_object_of_a_dropped_segment_is_removed_once_the_store_lets_it(
     for p in planted:
         p.write_bytes(b"left by an attempt that failed late")
     with immutable(objdir):
-        write_tree(m.mnt, {"a.bin": blob("a", 2_500_000)})
-        wait_for(lambda: status(m)["last_error"], 30, "an upload to fail")
+        write_tree(m.mnt, {"a.bin": blob("a", 4_500_000)})
+        # (a segment may take two 1 MiB records: it is sealed once past --segment-size)
+        wait_for(lambda: planted[1].name in (status(m)["last_error"] or ""), 30,
+                 "the uploads of both segments to fail")
         os.unlink(m.mnt / "a.bin")
         time.sleep(3)  # a retry or two meets the dead segments
         assert all(p.exists() for p in planted)

@@ -20,6 +20,14 @@ from ckptfs.index import ROOT_INO
 from test_format import make, reopen  # index, log and namespace in a directory
 
 
+@pytest.fixture(autouse=True)
+def direct_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most tests here are about the writer thread's queue, which big data records take
+    while the disk is behind (and with CKPTFS_BUFFERED_WRITES=0): they run with BUFFERED
+    off. The tests of the buffered way, at the end, turn it on."""
+    monkeypatch.setattr(logmod, "BUFFERED", False)
+
+
 @pytest.mark.parametrize("unit", ["device", "4k", "refused"])
 def test_queued_writes_apply_in_log_order_and_replay_the_same(tmp_path: Path,
                                                                unit: str) -> None:
@@ -558,9 +566,11 @@ PROLOGUE = r"""
 import os, signal, sys, trio
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
+from ckptfs import log as logmod
 from ckptfs.index import ROOT_INO
 from test_format import make
 
+logmod.BUFFERED = False  # (the writer thread's queue: see direct_writes)
 index, log, ns = make(Path(sys.argv[1]), 64 << 20)
 
 async def main():
@@ -1026,18 +1036,19 @@ def test_a_record_that_goes_through_the_page_cache_is_written_at_once_when_nothi
     index.close()
 
 
-def test_one_file_written_alone_goes_through_the_page_cache_on_the_trio_thread(
-        tmp_path: Path) -> None:
-    """After SOLO_RUN data records in a row for one file, with nothing queued, the file's big
-    records are written by the trio thread through the page cache (a buffered `pwritev`)
-    rather than handed to the writer thread for an O_DIRECT write: one writer waits for each
-    of its write()s, and the hand-over and the direct write cost it a third of its speed
-    (bench/README.md, 2026-12-07, night). A write to another file in between ends the run:
-    ranks writing at once stay on the writer thread. Replay reads the same bytes back."""
+def test_big_records_go_through_the_page_cache_unless_writes_are_queued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With BUFFERED (the default), big data records of requests that can wait are written
+    by the trio thread through the page cache and applied at once, files interleaved as
+    ranks write them, none handed to the writer thread for an O_DIRECT write (a storm saved
+    in 8.6-9.2 s instead of 11.3-14.0: bench/README.md, 2026-12-07, midnight). While writes are
+    queued (the disk was behind, below), the next record queues behind them rather than
+    overtake them: acknowledged before they are written, a SIGKILL could leave it behind a
+    hole that replay stops at. Replay reads the same bytes back."""
+    monkeypatch.setattr(logmod, "BUFFERED", True)
     index, log, ns = make(tmp_path, 64 << 20)
     rnd = random.Random(9)
-    big = [rnd.randbytes(1 << 20) for _ in range(logmod.SOLO_RUN + 4)]  # (none repeats)
-    assert logmod.SOLO_RUN >= 1
+    big = [rnd.randbytes(1 << 20) for _ in range(12)]  # (none repeats)
 
     async def main() -> None:
         log.token = trio.lowlevel.current_trio_token()
@@ -1054,61 +1065,88 @@ def test_one_file_written_alone_goes_through_the_page_cache_on_the_trio_thread(
             assert await log.settle(job) is False
             return False
 
-        direct = log.stats.direct_records
-        got = [await write(f, i << 20, d) for i, d in enumerate(big[:logmod.SOLO_RUN + 2])]
-        # the first SOLO_RUN go the direct way; from then on, at once through the page cache
-        assert got == [False] * logmod.SOLO_RUN + [True, True]
-        assert log.stats.direct_records == direct + logmod.SOLO_RUN
-        # another file's write in between: the run starts again
-        assert await write(g, 0, big[-2]) is False
-        assert await write(f, len(got) << 20, big[-1]) is False
+        direct, buffered = log.stats.direct_records, log.stats.records_buffered
+        got = [await write((f, g)[i % 2], (i // 2) << 20, big[i]) for i in range(6)]
+        assert got == [True] * 6
+        assert log.stats.direct_records == direct
+        assert log.stats.records_buffered == buffered + 6
+        # the disk is behind: the next one goes to the writer thread...
+        log._direct_until = float("inf")
+        ns.write(f, 3 << 20, big[6])
+        first = log.submitted
+        assert first is not None and not first.done
+        # ...and one after the pause, while that is queued, queues behind it
+        log._direct_until = 0.0
+        ns.write(g, 3 << 20, big[7])
+        second = log.submitted
+        assert second is not None and second is not first
+        for job in (first, second):
+            assert await log.settle(job) is False
+        assert log.stats.direct_records == direct + 2
+        assert [await write(f, (4 + i) << 20, big[8 + i]) for i in range(4)] == [True] * 4
         await log.sync()
-        assert ns.inode(f).size == (len(got) + 1) << 20
+        assert ns.inode(f).size == 8 << 20 and ns.inode(g).size == 4 << 20
 
     trio.run(main)
     log.close()
     index.close()
     index, log, ns = reopen(tmp_path, 64 << 20)  # (what the log alone says)
-    f = index.lookup(ROOT_INO, b"f")
-    assert ns.read(f, 0, (logmod.SOLO_RUN + 4) << 20) == \
-        b"".join(big[:logmod.SOLO_RUN + 2]) + big[-1]
+    f, g = index.lookup(ROOT_INO, b"f"), index.lookup(ROOT_INO, b"g")
+    assert ns.read(f, 0, 16 << 20) == b"".join([*big[0:6:2], big[6], *big[8:]])
+    assert ns.read(g, 0, 16 << 20) == b"".join([*big[1:6:2], big[7]])
     log.close()
     index.close()
 
 
 @pytest.mark.parametrize("backlog", [0, 1 << 40])
-def test_a_file_written_alone_goes_back_to_the_writer_thread_while_the_disk_is_behind(
+def test_buffered_records_go_back_to_the_writer_thread_while_the_disk_is_behind(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backlog: int) -> None:
-    """Every SOLO_KICK bytes of a lone file's buffered records, their writeback is started
-    and the machine's writeback backlog looked at: past SOLO_BACKLOG the kernel would make
-    the trio thread wait for the disk (every request with it), so the next records go to the
-    writer thread for SOLO_PAUSE seconds. 6 GiB written alone with a probe of the mount:
-    probe max 113-141 ms without this, 14-15 ms with it (bench/README.md, 2026-12-07,
-    night)."""
+    """Every KICK bytes appended through the page cache, their writeback is started (the
+    whole range since the last kick, so nothing is left for the kernel's own flushing) and
+    the machine's writeback backlog looked at: past WRITEBACK_BACKLOG the kernel would make
+    the trio thread wait for the disk (every request with it), so the next big records go to
+    the writer thread for DIRECT_PAUSE seconds. 6 GiB written by one process with a probe of
+    the mount: probe max 113-141 ms without this, 14-15 ms with it (bench/README.md,
+    2026-12-07, night)."""
+    monkeypatch.setattr(logmod, "BUFFERED", True)
     monkeypatch.setattr(logmod, "_writeback_backlog", lambda: backlog)
-    monkeypatch.setattr(logmod, "SOLO_PAUSE", 3600.0)
+    monkeypatch.setattr(logmod, "DIRECT_PAUSE", 3600.0)
+    kicks: list[tuple[int, int]] = []
+    real_fadvise = os.posix_fadvise
+
+    def fadvise(fd: int, off: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_DONTNEED:
+            kicks.append((off, length))
+        real_fadvise(fd, off, length, advice)
+
+    monkeypatch.setattr(logmod.os, "posix_fadvise", fadvise)
     index, log, ns = make(tmp_path, 256 << 20)
     rnd = random.Random(11)
-    run, kick = logmod.SOLO_RUN, logmod.SOLO_KICK >> 20
-    n = run + kick + 4
+    kick = -(-logmod.KICK // (1 << 20))  # 1 MiB records (and their headers) to a kick
+    n = 2 * kick + 4
 
     async def main() -> list[bool]:
         log.token = trio.lowlevel.current_trio_token()
         f = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+        g = ns.create(ROOT_INO, b"g", 0o644, 0, 0).ino
         await log.sync()
-        alone = []
+        at_once = []
         for i in range(n):
-            ns.write(f, i << 20, rnd.randbytes(1 << 20))
+            ns.write((f, g)[i % 2], (i // 2) << 20, rnd.randbytes(1 << 20))
             job = log.submitted
-            alone.append(job is None)
+            at_once.append(job is None)
             if job is not None:
                 assert await log.settle(job) is False
         await log.sync()
-        return alone
+        return at_once
 
-    alone = trio.run(main)
-    want = kick if backlog else n - run  # (the kick comes after the kick-th such record)
-    assert alone == [False] * run + [True] * want + [False] * (n - run - want)
-    assert log.stats.records_alone == want
+    at_once = trio.run(main)
+    want = kick if backlog else n  # (the kick comes after the kick-th record)
+    assert at_once == [True] * want + [False] * (n - want)
+    assert log.stats.records_buffered == want
+    # the kicks cover the log from its first record on, each where the last one ended
+    assert kicks and kicks[0][0] == logmod.fmt.SEGMENT_HEADER_SIZE, kicks
+    assert all(a + la == b for (a, la), (b, _) in zip(kicks, kicks[1:])), kicks
+    assert len(kicks) == (1 if backlog else 2), kicks
     log.close()
     index.close()

@@ -1,10 +1,11 @@
 """A storm through a real mount, the daemon SIGKILLed in the middle of it.
 
-Creates go into the log ahead of data writes queued before them (SegmentLog.ahead) while other
-processes write and fsync: after a SIGKILL and a new mount, every file whose create returned to
-its process exists, and every file whose fsync returned has exactly its bytes. (The kill
-rarely lands in the instant a create is ahead of writes not yet on disk: tests/
-test_log_pipeline.py kills a process in exactly that state.)"""
+Big data records go through the page cache (the default), or, as while the disk is behind,
+to the log's writer thread with creates going into the log ahead of data writes queued before
+them (SegmentLog.ahead), while other processes write and fsync: after a SIGKILL and a new
+mount, every file whose create returned to its process exists, and every file whose fsync
+returned has exactly its bytes. (The kill rarely lands in the instant a create is ahead of
+writes not yet on disk: tests/test_log_pipeline.py kills a process in exactly that state.)"""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from mounting import run_cli, wait_for
 
 WRITER = r"""
@@ -47,8 +49,12 @@ def status(mnt: Path) -> dict:
     return json.loads(run_cli("status", mnt, "--json").out)
 
 
-def test_a_storm_survives_a_sigkill_with_creates_ahead_of_queued_writes(make_mount) -> None:
-    m = make_mount()
+@pytest.mark.parametrize("buffered", ["1", "0"])
+def test_a_storm_survives_a_sigkill_with_creates_ahead_of_queued_writes(
+        make_mount, buffered: str) -> None:
+    m = make_mount(start=False)
+    m.env = {**os.environ, "CKPTFS_BUFFERED_WRITES": buffered}
+    m.start()
     d = m.mnt / "step_1"
     d.mkdir()
     procs, logs = [], []
@@ -58,9 +64,13 @@ def test_a_storm_survives_a_sigkill_with_creates_ahead_of_queued_writes(make_mou
             logs.append(p)
             procs.append(subprocess.Popen([sys.executable, "-c", WRITER, str(d), str(rank),
                                            str(p)], stderr=subprocess.DEVNULL))
-        # until several creates went ahead of queued writes (what this test is about)
-        wait_for(lambda: status(m.mnt)["log_records_ahead"] >= 5, 120,
-                 "creates to go into the log ahead of queued writes", interval=0.05)
+        if buffered == "1":
+            wait_for(lambda: status(m.mnt)["log_records_buffered"] >= 30, 120,
+                     "big records through the page cache", interval=0.05)
+        else:
+            # until several creates went ahead of queued writes (what this test is about)
+            wait_for(lambda: status(m.mnt)["log_records_ahead"] >= 5, 120,
+                     "creates to go into the log ahead of queued writes", interval=0.05)
         time.sleep(random.Random().uniform(0.0, 0.3))
         m.kill()
         for p in procs:
