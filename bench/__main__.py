@@ -445,6 +445,7 @@ class Bench:
             try:
                 with m:
                     out["daemon_pid"] = m.pid
+                    m.wait_ready()
                     sampler.start()
                     step = m.mountpoint / "step_1"
                     step.mkdir()
@@ -562,6 +563,7 @@ class Bench:
             sampler = Sampler(nas, period=0.1)
             try:
                 with m:
+                    m.wait_ready()
                     step = m.mountpoint / "step_1"
                     step.mkdir()
                     nas.pause_writes()

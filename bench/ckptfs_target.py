@@ -213,6 +213,18 @@ class CkptfsMount:
         except ValueError:
             return None, "status printed no JSON"
 
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until the daemon's start-up work on SHARED (temp files of a crash removed, this
+        node's directories made: `drain_ready` in its status) is done, so that a checkpoint's
+        count of operations on SHARED holds the checkpoint's alone. A slow disk used to put
+        those directories inside the first checkpoint's window."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st, _why = self.status()
+            if st is None or st.get("drain_ready", True):
+                return
+            time.sleep(0.05)
+
     def wait_durable(self, path: Path, timeout: float) -> tuple[float | None, str]:
         """Seconds until `ckptfs wait PATH` returned (None + reason if it cannot be measured)."""
         if not cli_has("wait"):

@@ -326,11 +326,12 @@ def test_mount_comes_up_while_the_store_refuses_its_cleanup(make_mount: MakeMoun
         fsync_file(str(m.mnt / "step_2/__0_0.distcp"))
         st = wait_status(m, lambda s: s["last_error"], 15, "status to report the cleanup")
         assert "clean temp files" in st["last_error"] and "EROFS" in st["last_error"], st
+        assert st["drain_ready"] is False, st
         res = cli("wait", m.mnt / "step_2", "--timeout", "2", check=False, timeout=60)
         assert "timed out" in assert_one_line_error(res, "wait while SHARED is read-only")
     wait_published(m.mnt / "step_2", timeout=RECOVER_WITHIN)
     assert not leftover.exists()
-    assert status(m)["last_error"] is None
+    assert status(m)["last_error"] is None and status(m)["drain_ready"] is True
     got = export_files(m.shared, "step_2", tmp_path / "out")
     assert not tree_diff({k.split("/", 1)[1]: v for k, v in later.items()}, got)
     assert_tree({**first, **later}, m.mnt, "the mount after the store came back")
