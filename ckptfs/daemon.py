@@ -945,7 +945,7 @@ class Daemon:
             "cache": self.cache.status(),
             "live_data_bytes": live, "segment_data_bytes": data,
             "segments_dropped": self.drain.stats.segments_dropped,
-            "drain_ready": self.drain._ready.is_set(),
+            "drain_ready": self.drain.ready,
             "drain_yielding": self.drain.yielding,
             "drain_yield_seconds": round(self.drain.yield_seconds, 1),
             "dedup": {"enabled": self.ns.dedup, "hits": self.ns.dedup_hits,

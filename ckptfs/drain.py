@@ -178,6 +178,11 @@ class Drain:
             self._kick.set()
             task_status.started()
 
+    @property
+    def ready(self) -> bool:
+        """The start-up work on SHARED is done (_startup); uploads and manifests wait for it."""
+        return self._ready.is_set()
+
     async def _startup(self) -> None:
         """Remove this node's temp files (a crash's leftovers: nothing of ours is in flight
         yet) and create its directories, so a checkpoint's publishes start with neither."""
