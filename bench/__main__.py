@@ -27,7 +27,7 @@ from typing import Any
 from bench import ckptfs_target as ck
 from bench import report
 from bench import workloads as wl
-from bench.mounts import drop_caches, fuse_mounts_under, unmount, warm_memory
+from bench.mounts import drop_caches, fuse_mounts_under, settle_disk, unmount, warm_memory
 from bench.nasemu import (
     DEFAULT_BANDWIDTH_MBPS,
     DEFAULT_META_LATENCY_US,
@@ -174,7 +174,7 @@ def rate(res: dict) -> dict:
         "gbps": res["bytes"] / s / GB if s else None,
         "files_per_s": res["files"] / s if s else None,
     }
-    for k in ("file_latency_ms", "mismatch_count", "mismatches", "warmed_memory"):
+    for k in ("file_latency_ms", "mismatch_count", "mismatches", "warmed_memory", "settled_disk"):
         if k in res:
             out[k] = res[k]
     return out
@@ -325,14 +325,17 @@ class Bench:
         drop_caches()  # every target starts with a clean page cache and no dirty backlog
         # and with free pages the hypervisor backs, whatever ran before it (see warm_memory)
         warmed = warm_memory(wl.plan_bytes(plan) * 9 // 8)
+        settled = settle_disk(self.work)  # and an idle disk (see settle_disk)
         r = wl.write_checkpoint(
             str(directory), plan, self.chunk, True, metadata, 100, self.a.timeout
         )
         r["warmed_memory"] = warmed
+        r["settled_disk"] = settled
         return r
 
     def read(self, directory: Path, plan: list, cold: bool, metadata: bool = True) -> dict:
         dropped = drop_caches() if cold else None
+        settled = settle_disk(self.work) if cold else None
         # a hot read finds only free pages the hypervisor took back (see warm_memory)
         warmed = None if cold else warm_memory(wl.plan_bytes(plan) * 9 // 8)
         r = rate(
@@ -344,6 +347,8 @@ class Bench:
             r["note"] = "could not drop the page cache: not really cold"
         if warmed is not None:
             r["warmed_memory"] = warmed
+        if settled is not None:
+            r["settled_disk"] = settled
         if r.get("mismatch_count"):
             self.errors.append(f"restore read wrong bytes in {directory}: {r['mismatches'][:3]}")
         return r
@@ -548,7 +553,9 @@ class Bench:
         """The cold-restore baseline: every file under SHARED read by the ranks, page cache
         dropped."""
         drop_caches()
+        settled = settle_disk(self.work)
         r = rate(wl.read_paths(files_under(shared), self.a.ranks, self.a.timeout))
+        r["settled_disk"] = settled
         r["what"] = "every file under SHARED, read through the emulated NAS"
         return r
 

@@ -156,6 +156,63 @@ def drop_caches() -> bool:
         return False
 
 
+def _disk_counters(dev: str) -> tuple[int, ...] | None:
+    """(sectors read, written, discarded, I/Os in flight) of the block device `dev`."""
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                v = line.split()
+                if v[2] == dev:
+                    return (int(v[5]), int(v[9]), int(v[16]) if len(v) > 16 else 0, int(v[11]))
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _disk_of(path: str | os.PathLike) -> str | None:
+    """The whole block device under `path` (vda for /dev/vda1), or None (tmpfs, unknown)."""
+    try:
+        dev = os.stat(path).st_dev
+        real = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    except OSError:
+        return None
+    name = os.path.basename(real)
+    if os.path.exists(os.path.join(real, "partition")):
+        name = os.path.basename(os.path.dirname(real))
+    return name if os.path.exists(f"/sys/block/{name}") else None
+
+
+NOISE_SECTORS = 512  # per 0.1 s: 2.5 MB/s of other work does not keep settle_disk waiting
+
+
+def settle_disk(path: str | os.PathLike, quiet: float = 1.0, limit: float = 30.0) -> dict:
+    """Wait until the disk under `path` has done no I/O for `quiet` seconds (at most `limit`).
+
+    Work a target leaves behind goes on after it returns: the writeback of what it wrote, and
+    on a filesystem mounted with `discard` (this VM's root) the discards of every file it
+    deleted, issued at the journal's commits. Whichever target ran next found the disk busy
+    with the last one's (bench/README.md, 2026-12-08)."""
+    t0 = time.monotonic()
+    dev = _disk_of(path)
+    last = _disk_counters(dev) if dev else None
+    if last is None:
+        return {"device": dev, "seconds": 0.0, "idle": None}
+    since = t0
+    while True:
+        time.sleep(0.1)
+        now = time.monotonic()
+        cur = _disk_counters(dev)
+        if cur is None:
+            return {"device": dev, "seconds": round(now - t0, 3), "idle": None}
+        if sum(cur[:3]) - sum(last[:3]) > NOISE_SECTORS:  # a journal commit or a log line: quiet
+            since = now
+        last = cur
+        if now - since >= quiet:
+            return {"device": dev, "seconds": round(now - t0, 3), "idle": True}
+        if now - t0 >= limit:
+            return {"device": dev, "seconds": round(now - t0, 3), "idle": False}
+
+
 def _mem_free() -> int:
     """MemFree from /proc/meminfo in bytes (0 if unreadable: then nothing is warmed)."""
     try:
