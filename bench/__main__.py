@@ -326,6 +326,9 @@ class Bench:
         # and with free pages the hypervisor backs, whatever ran before it (see warm_memory)
         warmed = warm_memory(wl.plan_bytes(plan) * 9 // 8)
         settled = settle_disk(self.work)  # and an idle disk (see settle_disk)
+        # the checkpoint's directory only now, as training makes it right before its shards
+        # (made seconds earlier, a ckptfs log holding only the mkdir was sealed as idle)
+        directory.mkdir(parents=True, exist_ok=True)
         r = wl.write_checkpoint(
             str(directory), plan, self.chunk, True, metadata, 100, self.a.timeout
         )
@@ -421,7 +424,6 @@ class Bench:
             else:
                 base, n = root / "nvme", None
             step = base / "step_1"
-            step.mkdir(parents=True)
             out["save"] = rate(self.write(step, plan))
             if n is not None:
                 out["shared"] = {"checkpoint": stats_delta(pre, n.stats())}
@@ -456,7 +458,6 @@ class Bench:
                     m.wait_ready()
                     sampler.start()
                     step = m.mountpoint / "step_1"
-                    step.mkdir()
                     pre = nas.stats()
                     save = self.write(step, plan)
                     out["save"] = rate(save)
@@ -614,7 +615,6 @@ class Bench:
                 with m:
                     m.wait_ready()
                     step = m.mountpoint / "step_1"
-                    step.mkdir()
                     nas.pause_writes()
                     try:
                         out["save_drain_held"] = rate(self.write(step, plan))
