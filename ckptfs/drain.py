@@ -255,8 +255,7 @@ class Drain:
         while True:
             await trio.sleep(0.1)
             now = time.monotonic()
-            busy = (self.policy == "yield" and not self.waiters and not self.under_pressure()
-                    and self.write_rate() >= self.busy_rate)
+            busy = self._writes_busy()
             if busy and not self.yielding:
                 since = now
             if busy and now - since > self.max_yield:
@@ -270,6 +269,11 @@ class Drain:
                 self.limiter.hold.set()
             else:
                 self.limiter.hold.clear()
+
+    def _writes_busy(self) -> bool:
+        """The application writes fast enough for the "yield" policy to hold uploads back."""
+        return (self.policy == "yield" and not self.waiters and not self.under_pressure()
+                and self.write_rate() >= self.busy_rate)
 
     async def _retrying(self, what: str, fn: Callable, *args: Any, pub: bool = False) -> Any:
         delay = 0.5
@@ -308,6 +312,9 @@ class Drain:
             async for seg in recv:
                 self._holding += 1
                 try:
+                    if not self.yielding and self._writes_busy():
+                        # a save just started: give the policy's next tick (0.1 s) the say
+                        await trio.sleep(0.15)
                     while self.yielding:
                         await trio.sleep(0.1)
                     batch = [seg] + self._take_more(recv)

@@ -1199,9 +1199,15 @@ class SegmentLog:
                 self._finish(job)
 
     def write_rate(self) -> float:
-        """Bytes/s appended recently (0 once writes stopped for a window)."""
-        if time.monotonic() - self.last_append > 2 * RATE_WINDOW:
+        """Bytes/s appended recently (0 once writes stopped for a window). A burst shows at
+        once: the window still filling counts its bytes as if it ended now (otherwise a save
+        showed no rate for its first half second, in which a big save seals its first
+        segments and the drain started uploading them; bench/README.md, 2026-12-08)."""
+        now = time.monotonic()
+        if now - self.last_append > 2 * RATE_WINDOW:
             return 0.0
+        if now - self._win_start < RATE_WINDOW:
+            return max(self.recent_rate, self._win_bytes / RATE_WINDOW)
         return self.recent_rate
 
     def unsynced_bytes(self) -> int:

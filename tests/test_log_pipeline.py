@@ -8,6 +8,7 @@ import errno
 import os
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -1148,5 +1149,34 @@ def test_buffered_records_go_back_to_the_writer_thread_while_the_disk_is_behind(
     assert kicks and kicks[0][0] == logmod.fmt.SEGMENT_HEADER_SIZE, kicks
     assert all(a + la == b for (a, la), (b, _) in zip(kicks, kicks[1:])), kicks
     assert len(kicks) == (1 if backlog else 2), kicks
+    log.close()
+    index.close()
+
+
+def test_a_burst_of_writes_shows_in_the_write_rate_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain's "yield" policy holds uploads back while the application writes fast
+    (Drain._writes_busy, from SegmentLog.write_rate). The rate must show a save from its
+    first megabytes: a big save seals its first 256 MiB segment within the first half
+    second, and its upload then competed with the save (bench/README.md, 2026-12-08)."""
+    monkeypatch.setattr(logmod, "BUFFERED", True)  # the default way, records applied at once
+    index, log, ns = make(tmp_path, 64 << 20)
+
+    async def main() -> None:
+        log.token = trio.lowlevel.current_trio_token()
+        ino = ns.create(ROOT_INO, b"f", 0o644, 0, 0).ino
+        await trio.sleep(2 * logmod.RATE_WINDOW + 0.05)  # quiet: no rate
+        assert log.write_rate() == 0.0
+        data = random.Random(7).randbytes(1 << 20)
+        for i in range(16):
+            ns.write(ino, i << 20, data[i:] + data[:i])  # (no two alike: none deduplicated)
+        assert log.submitted is None  # every record appended already
+        # 16 MiB appended: at least 16 MiB per window's length, however long that took
+        assert log.write_rate() >= (16 << 20) / logmod.RATE_WINDOW * 0.99
+        await trio.sleep(2 * logmod.RATE_WINDOW + 0.05)
+        assert log.write_rate() == 0.0  # and it ends when the writes do
+        await log.sync()
+
+    trio.run(main)
     log.close()
     index.close()
