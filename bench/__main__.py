@@ -321,19 +321,28 @@ class Bench:
 
     # -- phases ------------------------------------------------------------------------------
 
-    def write(self, directory: Path, plan: list, metadata: bool = True) -> dict:
-        drop_caches()  # every target starts with a clean page cache and no dirty backlog
-        # and with free pages the hypervisor backs, whatever ran before it (see warm_memory)
-        warmed = warm_memory(wl.plan_bytes(plan) * 9 // 8)
-        settled = settle_disk(self.work)  # and an idle disk (see settle_disk)
+    def prepare(self, plan: list) -> dict:
+        """What every save starts from: a clean page cache and no dirty backlog, free pages
+        the hypervisor backs whatever ran before (see warm_memory), and an idle disk (see
+        settle_disk). ckptfs's targets do it before they mount: done after, the seconds it
+        takes left the daemon's first records alone long enough to be sealed as idle, a
+        segment and a manifest of their own inside the checkpoint's window."""
+        drop_caches()
+        return {
+            "warmed_memory": warm_memory(wl.plan_bytes(plan) * 9 // 8),
+            "settled_disk": settle_disk(self.work),
+        }
+
+    def write(
+        self, directory: Path, plan: list, metadata: bool = True, prepared: dict | None = None
+    ) -> dict:
+        prep = prepared if prepared is not None else self.prepare(plan)
         # the checkpoint's directory only now, as training makes it right before its shards
-        # (made seconds earlier, a ckptfs log holding only the mkdir was sealed as idle)
         directory.mkdir(parents=True, exist_ok=True)
         r = wl.write_checkpoint(
             str(directory), plan, self.chunk, True, metadata, 100, self.a.timeout
         )
-        r["warmed_memory"] = warmed
-        r["settled_disk"] = settled
+        r.update(prep)
         return r
 
     def read(self, directory: Path, plan: list, cold: bool, metadata: bool = True) -> dict:
@@ -443,6 +452,7 @@ class Bench:
         node_args = ["--node-id", "bench-writer"] if "--node-id" not in extra else []
         with self.nas(root) as nas:
             shared = nas.mountpoint
+            prep = self.prepare(plan)
             m = ck.CkptfsMount(
                 root / "nvme",
                 shared,
@@ -459,7 +469,7 @@ class Bench:
                     sampler.start()
                     step = m.mountpoint / "step_1"
                     pre = nas.stats()
-                    save = self.write(step, plan)
+                    save = self.write(step, plan, prepared=prep)
                     out["save"] = rate(save)
                     log(f"    save {out['save']['seconds']:.2f} s; waiting for durability")
                     out["durable_s"], why = m.wait_durable(step, a.timeout)
@@ -602,6 +612,7 @@ class Bench:
         extra = shlex.split(a.ckptfs_args)
         node_args = ["--node-id", "bench-writer"] if "--node-id" not in extra else []
         with self.nas(root, meta_latency_us=0, meta_ops_per_sec=0) as nas:
+            prep = self.prepare(plan)
             m = ck.CkptfsMount(
                 root / "nvme",
                 nas.mountpoint,
@@ -617,7 +628,7 @@ class Bench:
                     step = m.mountpoint / "step_1"
                     nas.pause_writes()
                     try:
-                        out["save_drain_held"] = rate(self.write(step, plan))
+                        out["save_drain_held"] = rate(self.write(step, plan, prepared=prep))
                         pre = nas.stats()
                         sampler.start()
                     finally:
