@@ -8,7 +8,6 @@ import errno
 import os
 import random
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
