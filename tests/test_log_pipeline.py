@@ -1046,6 +1046,9 @@ def test_big_records_go_through_the_page_cache_unless_writes_are_queued(
     overtake them: acknowledged before they are written, a SIGKILL could leave it behind a
     hole that replay stops at. Replay reads the same bytes back."""
     monkeypatch.setattr(logmod, "BUFFERED", True)
+    # the pause is set by hand below: not by other tests' dirty pages on the machine (the
+    # kick looks at the whole machine's writeback backlog every 8 MiB)
+    monkeypatch.setattr(logmod, "_writeback_backlog", lambda: 0)
     index, log, ns = make(tmp_path, 64 << 20)
     rnd = random.Random(9)
     big = [rnd.randbytes(1 << 20) for _ in range(12)]  # (none repeats)
@@ -1159,6 +1162,7 @@ def test_a_burst_of_writes_shows_in_the_write_rate_at_once(
     first megabytes: a big save seals its first 256 MiB segment within the first half
     second, and its upload then competed with the save (bench/README.md, 2026-12-08)."""
     monkeypatch.setattr(logmod, "BUFFERED", True)  # the default way, records applied at once
+    monkeypatch.setattr(logmod, "_writeback_backlog", lambda: 0)  # (whatever else runs)
     index, log, ns = make(tmp_path, 64 << 20)
 
     async def main() -> None:
