@@ -337,8 +337,8 @@ class Bench:
         self, directory: Path, plan: list, metadata: bool = True, prepared: dict | None = None
     ) -> dict:
         prep = prepared if prepared is not None else self.prepare(plan)
-        # the checkpoint's directory only now, as training makes it right before its shards
-        directory.mkdir(parents=True, exist_ok=True)
+        # write_checkpoint makes the checkpoint's directory, right before its shards as
+        # training does (callers must not make it earlier: see prepare)
         r = wl.write_checkpoint(
             str(directory), plan, self.chunk, True, metadata, 100, self.a.timeout
         )
